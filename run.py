@@ -1,0 +1,18 @@
+"""Entry point: `python run.py model=smollm2-135m method=full task=ppl` (add -m to sweep)."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from experiments.runner import run
+
+    row = run(cfg)
+    if row:
+        shown = {k: v for k, v in row["metrics"].items() if isinstance(v, (int, float, str))}
+        print(f"{row['model']} {row['method']} {row['task']}: {shown}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+import os
+from functools import lru_cache
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data")
+TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
+METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+def model_cfg(name: str, **overrides):
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    return OmegaConf.merge(cfg, overrides)
+
+
+@lru_cache(maxsize=None)
+def load_model(name: str):
+    from infinigen import adapter
+
+    return adapter.load(model_cfg(name))
+
+
+def method_from_conf(name: str, **overrides):
+    from hydra.utils import instantiate
+
+    cfg = OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")
+    return instantiate(OmegaConf.merge(cfg, overrides))
+
+
+def random_ids(n: int, vocab: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def text_ids(tokenizer, n: int) -> torch.Tensor:
+    from experiments.data import corpus_text
+
+    text = corpus_text("wikitext2", DATA_DIR)[:20000]
+    return tokenizer(text, return_tensors="pt").input_ids[:, :n]
+
+
+def sample_ids(name: str, n: int) -> torch.Tensor:
+    """Real text for smollm2, random ids for the tiny random-init models."""
+    model, tok = load_model(name)
+    return text_ids(tok, n) if tok is not None else random_ids(n, model.config.vocab_size)
+
+
+@pytest.fixture
+def data_dir():
+    if not Path(DATA_DIR, "wikitext-2").is_dir():
+        pytest.skip(f"evaluation data not found at {DATA_DIR} (set DATA_DIR)")
+    return DATA_DIR

@@ -1,0 +1,81 @@
+"""`full` through our attention path equals the model's own HF attention; decoding equals HF generate."""
+
+import pytest
+import torch
+
+from conftest import TINY, load_model, model_cfg, sample_ids
+from baselines.full import Full
+from infinigen import adapter, runtime
+
+MODELS = TINY + [pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_sim_and_decode_equal_hf_eager(name):
+    model, _ = load_model(name)
+    ids = sample_ids(name, 96)
+    with torch.inference_mode():
+        ref = model(ids).logits.float()  # HF's own eager attention
+    assert model.config._attn_implementation == "eager"
+    sim = runtime.sim_logits(model, Full(), ids, dense_rows=32)
+    torch.testing.assert_close(sim, ref, atol=1e-5, rtol=0)
+    dec = runtime.decode_logits(model, Full(), ids, dense_rows=32)  # predictions of tokens 32..95
+    torch.testing.assert_close(dec, ref[:, 31:-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_decode_equals_hf_generate(name):
+    model, _ = load_model(name)
+    prompt = sample_ids(name, 24)
+    ours = runtime.greedy_generate(model, Full(), prompt, new_tokens=16)
+    with torch.inference_mode():
+        hf = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(ours, hf)
+
+
+def test_install_is_undone_on_exit():
+    model, _ = load_model("tiny-llama")
+    attn = adapter.attention_layers(model)[0].module
+    with adapter.install(model, Full(), mode="sim"):
+        assert model.config._attn_implementation == adapter.ATTN_NAME
+        assert len(attn._forward_pre_hooks) == 1
+    assert model.config._attn_implementation == "eager"
+    assert len(attn._forward_pre_hooks) == 0
+    assert not adapter._BOUND
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_layer_view_reproduces_attention_inputs(name):
+    """queries()/keys() from the captured attention input match what the attention function receives."""
+    model, _ = load_model(name)
+    ids = sample_ids(name, 20)
+    seen = {}
+
+    class Spy(Full):
+        def forward_attention(self, session, layer, q, k, v, allowed):
+            seen[layer.index] = (q, k, session.attn_inputs[layer.index], session.position_embeddings)
+            return super().forward_attention(session, layer, q, k, v, allowed)
+
+    runtime.sim_logits(model, Spy(), ids)
+    for layer in adapter.attention_layers(model):
+        q, k, x, pe = seen[layer.index]
+        torch.testing.assert_close(layer.queries(x, pe), q)
+        torch.testing.assert_close(layer.keys(x, pe), k)
+
+
+def test_unsupported_architecture_is_refused():
+    cfg = model_cfg("tiny-llama", arch={"model_type": "falcon"})
+    with pytest.raises(ValueError, match="supported model_type values: .*llama.*opt"):
+        adapter.validate_model(cfg)
+
+
+def test_hub_model_offline_fails_clearly(tmp_path, monkeypatch):
+    cfg = model_cfg("opt-13b", local_path=str(tmp_path / "missing"))
+    with pytest.raises(adapter.ModelUnavailable, match="not available offline"):
+        adapter.load(cfg)
+
+
+def test_random_init_builds_real_shapes_without_weights():
+    cfg = model_cfg("llama-3-8b", random_init=True)
+    config = adapter.model_config(cfg)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (32, 8, 32)
