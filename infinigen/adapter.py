@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,16 @@ def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)  # an inference harness: no autograd state anywhere
+    _TOKENIZERS[model] = tokenizer
     return model, tokenizer
+
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def tokenizer_of(model):
+    """The tokenizer `load` returned with this model (None for random-init models: they read bytes)."""
+    return _TOKENIZERS.get(model)
 
 
 # ----------------------------------------------------------------------------------------------- per-layer view
@@ -280,9 +290,11 @@ class Session:
     mode: str  # "sim" | "decode"
     layers: list[AttentionLayer]
     dense_rows: int = 0
+    max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
     position_embeddings: Any = None
+    model: Any = None
 
 
 _BOUND: dict[int, tuple[Session, AttentionLayer]] = {}
@@ -322,12 +334,12 @@ AttentionMaskInterface.register(ATTN_NAME, _mask)
 
 
 @contextmanager
-def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None):
+def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0):
     """Route every attention layer of `model` through `method` until the block exits."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
     layers = attention_layers(model)
-    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache)
+    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len)
     previous = model.config._attn_implementation
     handles = []
 
@@ -339,9 +351,11 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
 
         return hook
 
+    outer = {id(layer.module): _BOUND.get(id(layer.module)) for layer in layers}  # installs may nest
     for layer in layers:
         _BOUND[id(layer.module)] = (session, layer)
         handles.append(layer.module.register_forward_pre_hook(capture(layer), with_kwargs=True))
+    session.model = model
     model.set_attn_implementation(ATTN_NAME)
     method.bind(session)
     try:
@@ -349,6 +363,9 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
     finally:
         for h in handles:
             h.remove()
-        for layer in layers:
-            _BOUND.pop(id(layer.module), None)
+        for key, bound in outer.items():
+            if bound is None:
+                _BOUND.pop(key, None)
+            else:
+                _BOUND[key] = bound
         model.set_attn_implementation(previous)

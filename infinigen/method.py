@@ -122,11 +122,12 @@ class KVMethod:
     def after_prefill(self, session: Session, layer: AttentionLayer, store: KVStore, q, probs) -> None:
         """Decode mode: called once the dense prefill has filled `store` (probs: (b, h_kv, g, t, s))."""
 
-    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed) -> None:
-        rows = slice(session.dense_rows, None)
+    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, dense_rows: int | None = None) -> None:
+        rows = slice(session.dense_rows if dense_rows is None else dense_rows, None)
         attended = keep[:, :, rows].sum(-1).float()  # (b, h_kv|1, rows)
         causal = allowed[:, :, rows].sum(-1).float()
-        attended = attended.expand(keep.shape[0], layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
+        batch = session.attn_inputs[layer.index].shape[0]  # keep/allowed may be broadcast over the batch
+        attended = attended.expand(batch, layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
         self.stats.add(layer.index, "kv_fraction", attended / causal.clamp(min=1))
 
     # ------------------------------------------------------------------ decode mode

@@ -10,7 +10,7 @@ from infinigen import adapter
 @torch.inference_mode()
 def sim_logits(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None) -> torch.Tensor:
     """One teacher-forced forward; rows >= dense_rows behave as decoded tokens. (b, t) -> (b, t, vocab)."""
-    with adapter.install(model, method, mode="sim", dense_rows=dense_rows):
+    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=input_ids.shape[1]):
         return model(input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
 
 
@@ -34,24 +34,25 @@ def decode_step(model, token: torch.Tensor, cache, position: int) -> torch.Tenso
 def decode_logits(model, method, input_ids: torch.Tensor, dense_rows: int, progress: bool = False) -> torch.Tensor:
     """Teacher-forced decode mode: prefill input_ids[:, :dense_rows], then feed the rest one token per step.
     Returns logits for rows dense_rows-1 .. t-2 (the predictions of tokens dense_rows .. t-1), (b, t-dense_rows, V).
+    The last token is fed too (its prediction is dropped) so both modes process, and count stats for, every row.
     """
     from tqdm import tqdm
 
     cache = new_cache(model, method)
     t = input_ids.shape[1]
-    with adapter.install(model, method, mode="decode", dense_rows=dense_rows, cache=cache):
+    with adapter.install(model, method, mode="decode", dense_rows=dense_rows, cache=cache, max_len=t):
         out = [prefill(model, input_ids[:, :dense_rows], cache)]
-        for pos in tqdm(range(dense_rows, t - 1), disable=not progress, desc="decode", leave=False):
+        for pos in tqdm(range(dense_rows, t), disable=not progress, desc="decode", leave=False):
             out.append(decode_step(model, input_ids[:, pos : pos + 1], cache, pos))
     method.last_cache = cache
-    return torch.stack(out, dim=1)
+    return torch.stack(out[:-1], dim=1)
 
 
 @torch.inference_mode()
 def greedy_generate(model, method, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     cache = new_cache(model, method)
     t = input_ids.shape[1]
-    with adapter.install(model, method, mode="decode", dense_rows=t, cache=cache):
+    with adapter.install(model, method, mode="decode", dense_rows=t, cache=cache, max_len=t + new_tokens):
         nxt = prefill(model, input_ids, cache).argmax(-1, keepdim=True)
         out = [nxt]
         for pos in range(t, t + new_tokens - 1):

@@ -32,8 +32,9 @@ def load_model(name: str):
 def method_from_conf(name: str, **overrides):
     from hydra.utils import instantiate
 
-    cfg = OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")
-    return instantiate(OmegaConf.merge(cfg, overrides))
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml"), overrides)
+    root = OmegaConf.create({"data_dir": DATA_DIR, "method": cfg})  # resolves ${data_dir} as run.py would
+    return instantiate(root.method)
 
 
 def random_ids(n: int, vocab: int, batch: int = 1, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Per-step token selection from a KV pool, in both modes: the machinery InfiniGen and the oracle share.
+
+A subclass supplies the vectors each decoded row ranks its candidates with (`score_queries` · `score_keys`);
+this class applies the dynamic count + cap (`selection.select`), the pool with capacity and eviction, and
+the statistics (kv_fraction, selected tokens, recall), identically in sim and decode mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinigen.adapter import AttentionLayer, KVStore, Session
+from infinigen.method import KVMethod, attend, logits
+from infinigen.selection import EVICTION, GQA_REDUCE, pool_limit, select, victim
+
+
+@dataclass
+class SelectiveAttention(KVMethod):
+    alpha: float = math.inf
+    budget: float = 0.2
+    max_num_kv: int | None = None
+    capacity: float = 1.0
+    eviction: str = "counter"
+    skip_layers: int = 1
+    gqa_reduce: str = "prob_sum"
+    track_recall: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0 (math.inf = no threshold), got {self.alpha}")
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget}")
+        if self.max_num_kv is not None and self.max_num_kv < 1:
+            raise ValueError(f"max_num_kv must be null or >= 1, got {self.max_num_kv}")
+        if not self.capacity > 0:
+            raise ValueError(f"capacity must be a fraction in (0, 1] or an absolute token count > 1, got {self.capacity}")
+        if self.eviction not in EVICTION:
+            raise ValueError(f"eviction must be one of {EVICTION}, got {self.eviction!r}")
+        if self.gqa_reduce not in GQA_REDUCE:
+            raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {self.gqa_reduce!r}")
+        if self.skip_layers < 0:
+            raise ValueError(f"skip_layers must be >= 0, got {self.skip_layers}")
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def score_queries(self, session: Session, layer: AttentionLayer, q) -> torch.Tensor:
+        """(b, h, t, d) queries -> (b, h_kv, g, t, d) vectors each row ranks its candidates with."""
+        raise NotImplementedError
+
+    def score_keys(self, layer: AttentionLayer, k) -> torch.Tensor:
+        """(b, h_kv, s, d) keys -> (b, h_kv, s, d) vectors the rows' score vectors are dotted with."""
+        raise NotImplementedError
+
+    def stored_score_keys(self, layer: AttentionLayer, store: KVStore) -> torch.Tensor:
+        return self.score_keys(layer, store.keys)
+
+    def sync_store(self, layer: AttentionLayer, store: KVStore) -> None:
+        """Bring per-entry state up to date with newly appended entries."""
+        fresh = store.stored - (store.entries["count"].shape[2] if "count" in store.entries else 0)
+        if fresh:
+            tail = store.positions[:, :, -fresh:]
+            for name, value in (("count", torch.zeros_like(tail)), ("last", tail.clone())):
+                store.entries[name] = value if name not in store.entries else torch.cat([store.entries[name], value], -1)
+
+    def dense_layer(self, layer: AttentionLayer) -> bool:
+        return layer.index < self.skip_layers
+
+    def pool_size(self, session: Session) -> int | None:
+        return None if self.capacity == 1 else pool_limit(self.capacity, session.max_len)
+
+    # ------------------------------------------------------------------ sim mode
+    rows_per_chunk = 256  # sim rows are processed in chunks against the keys they can see (half the work)
+
+    def forward_attention(self, session, layer, q, k, v, allowed):
+        if session.mode == "decode" or self.dense_layer(layer):
+            return super().forward_attention(session, layer, q, k, v, allowed)
+        b, t, s = q.shape[0], q.shape[2], k.shape[2]
+        assert s == t, "sim mode runs a whole sequence in one forward"
+        qs, ks = self.score_queries(session, layer, q), self.score_keys(layer, k)  # (b,hk,g,t,d), (b,hk,s,d)
+        limit = self.pool_size(session)
+        pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
+        outs = []
+        for r0 in range(0, t, self.rows_per_chunk):
+            r1 = min(t, r0 + self.rows_per_chunk)
+            outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool))
+        return torch.cat(outs, dim=2)
+
+    def _sim_chunk(self, session, layer, q, k, v, allowed, qs, ks, r0, r1, pool):
+        """Rows r0..r1-1 against the entries they can see (0..r1-1): select, attend, record."""
+        dev = q.device
+        rows = torch.arange(r0, r1, device=dev)
+        diag = rows[:, None] == torch.arange(r1, device=dev)[None, :]  # (r, s)
+        allowed = allowed[..., r0:r1, :r1]  # (b|1, 1, r, s)
+        candidates = allowed & ~diag
+        scores = torch.matmul(qs[:, :, :, r0:r1], ks[:, :, None, :r1].transpose(-1, -2)) * layer.logit_scale
+        if pool is None:
+            keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
+            held = candidates
+        else:
+            keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
+        decoded = rows >= session.dense_rows
+        keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
+        out, _ = attend(q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
+        if bool(decoded.any()):
+            self.record_sim(session, layer, keep[:, :, decoded], allowed[:, :, decoded], dense_rows=0)
+            self.stats.add(layer.index, "selected", n[:, decoded].float())
+            if self.track_recall:
+                self._record_recall(layer, q[:, :, r0:r1][:, :, decoded], k[:, :, :r1],
+                                    ((held | diag) & allowed)[:, :, decoded], keep[:, :, decoded])
+        return out
+
+    def _sim_pool_state(self, session, b, hk, s, limit, dev) -> dict:
+        positions = torch.arange(s, device=dev).expand(b, hk, s)
+        state = {
+            "limit": limit,
+            "positions": positions,
+            "in_pool": (positions < session.dense_rows).clone(),
+            "counts": torch.zeros(b, hk, s, dtype=torch.long, device=dev),
+            "last": positions.clone(),
+        }
+        self._evict_to(state)  # a prompt longer than the pool is trimmed right after the prefill
+        return state
+
+    def _sim_pool_rows(self, session, scores, candidates, rows, pool):
+        """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions."""
+        b, hk, g, r, s = scores.shape
+        keep = torch.zeros(b, hk, r, s, dtype=torch.bool, device=scores.device)
+        held = torch.zeros_like(keep)
+        n = torch.zeros(b, r, dtype=torch.long, device=scores.device)
+        for i, row in enumerate(rows.tolist()):
+            if row < session.dense_rows:
+                continue
+            cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
+            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], rows[i : i + 1], self.alpha, self.budget,
+                            self.gqa_reduce, self.max_num_kv)
+            keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
+            pool["counts"][..., :s] += ki[:, :, 0]
+            pool["last"][..., :s].masked_fill_(ki[:, :, 0], row)
+            pool["in_pool"][..., row] = True
+            self._evict_to(pool)
+        return keep, n, held
+
+    def _evict_to(self, pool: dict) -> None:
+        while int(pool["in_pool"].sum(-1).max()) > pool["limit"]:
+            idx = victim(pool["positions"], pool["counts"], pool["last"], pool["in_pool"], self.eviction)  # (b, hk)
+            pool["in_pool"].scatter_(-1, idx[..., None], False)
+
+    def _record_recall(self, layer, q, k, held, keep) -> None:
+        """Share of the true attention mass (over what the pool holds) that the fetched entries carry."""
+        true = logits(q, k, layer.logit_scale).masked_fill(~held.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(true, dim=-1)  # (b, hk, g, r, s)
+        self.stats.add(layer.index, "recall", (probs * keep.unsqueeze(2)).sum(-1))
+
+    # ------------------------------------------------------------------ decode mode
+    def after_prefill(self, session, layer, store, q, probs):
+        if self.dense_layer(layer):
+            return
+        self.sync_store(layer, store)
+        limit = self.pool_size(session)
+        if limit is not None and store.stored > limit:
+            self._evict_store(store, store.stored - limit)
+
+    def decode_attention(self, session, layer, q, store):
+        if self.dense_layer(layer):
+            return super().decode_attention(session, layer, q, store)
+        self.sync_store(layer, store)
+        past = store.stored - 1  # pool entries before the current token (the last entry)
+        row = store.seen - 1
+        keys = self.stored_score_keys(layer, store)[:, :, :past]  # (b, hk, past, d)
+        scores = torch.matmul(self.score_queries(session, layer, q), keys.unsqueeze(2).transpose(-1, -2))
+        scores = scores * layer.logit_scale  # (b, hk, g, 1, past)
+        cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=q.device)
+        keep, n = select(scores, cand, torch.tensor([row], device=q.device), self.alpha, self.budget,
+                         self.gqa_reduce, self.max_num_kv)
+        b, hk = scores.shape[:2]
+        keep = torch.cat([keep, torch.ones(b, hk, 1, 1, dtype=torch.bool, device=q.device)], -1)  # + current
+        out, _ = attend(q, store.keys, store.values, keep, layer.logit_scale)
+        self.stats.add(layer.index, "kv_fraction", keep.sum(-1).float() / store.seen)
+        self.stats.add(layer.index, "selected", n.float())
+        if self.track_recall:
+            self._record_recall(layer, q, store.keys, torch.ones_like(keep), keep)
+        fetched = keep[:, :, 0, :-1]
+        store.entries["count"][..., :past] += fetched
+        store.entries["last"][..., :past].masked_fill_(fetched, row)
+        limit = self.pool_size(session)
+        if limit is not None and store.stored > limit:
+            self._evict_store(store, store.stored - limit)
+        return out
+
+    def _evict_store(self, store: KVStore, how_many: int) -> None:
+        valid = torch.ones_like(store.positions, dtype=torch.bool)
+        for _ in range(how_many):
+            idx = victim(store.positions, store.entries["count"], store.entries["last"], valid, self.eviction)
+            valid.scatter_(-1, idx[..., None], False)
+        b, hk, s = valid.shape
+        remaining = valid.nonzero()[:, 2].view(b, hk, -1)  # (b, hk, s - how_many), kept in position order
+        store.keep(remaining)
