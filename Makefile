@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench figures clean
+.PHONY: help install run test test-fast bench sweep smoke figures tables clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -33,8 +33,19 @@ test-fast: install  ## the suite without slow-marked checks
 bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-135m (prints ratios)
 	$(PY) experiments/bench_sim.py
 
+sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)
+	$(PY) run.py -m +experiment=$(EXP) data_dir=$(DATA_DIR)
+
+smoke: install  ## every *_smoke preset, then figures/ (CPU; re-run to resume an interrupted one)
+	for exp in $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml)))); do \
+	  $(PY) run.py -m +experiment=$$exp data_dir=$(DATA_DIR) || exit 1; done
+	$(PY) -m analysis.figures --results results --out figures
+
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures
+
+tables: install  ## markdown tables of the results store (README)
+	for t in ppl lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done
 
 clean:  ## remove caches (never results/)
 	rm -rf .pytest_cache .cache **/__pycache__

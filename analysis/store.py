@@ -44,7 +44,8 @@ def load(results_dir: str | Path = "results", latest_only: bool = True) -> pd.Da
 
     latest_only: when a config was forced to re-run, keep only its newest rows.
     """
-    files = sorted(rows_dir(results_dir).glob("*.jsonl"))
+    # a write killed before its rename leaves a hidden .tmp-* file behind: never rows
+    files = sorted(p for p in rows_dir(results_dir).glob("*.jsonl") if not p.name.startswith("."))
     records = []
     for path in files:
         for line in path.read_text().splitlines():

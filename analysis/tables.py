@@ -1,0 +1,168 @@
+"""Markdown tables from the results store, for the README:
+
+    python -m analysis.tables --results results --table ppl|lm_eval|latency|eviction
+
+One line per stored row (ppl, lm_eval: one per lm-eval task, latency), or per (model, dataset) for `eviction`
+(InfiniGen Table 2: perplexity by KV pool setting). `params` lists a method's KV-size hyperparameters and any
+other hyperparameter that differs between that method's rows in the table. kv_fraction is measured (share of
+cached entries attended); rel. KV size = kv_fraction x entry size vs 16 bits (quant: bits/16); recall
+(InfiniGen / oracle) is the share of the true attention mass carried by the tokens a method fetched; byte counts appear when the task
+reported them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pandas as pd
+
+from analysis import store
+from analysis.figures import (SIZE_PARAMS, bytes_ratio, column, eviction_rows, metric, models_by_size,
+                              param_columns, short)
+
+TABLES = ("ppl", "lm_eval", "latency", "eviction")
+
+
+def key_params(df: pd.DataFrame) -> pd.Series:
+    """Per row: the method's KV-size hyperparameters plus those that vary among its rows here."""
+    out = pd.Series("", index=df.index, dtype=object)
+    for method, rows in df.groupby("method", sort=False):
+        cols = [c for c in param_columns(rows) if rows[c].notna().any()]
+        keep = [c for c in cols if c.split(".", 1)[1] in SIZE_PARAMS.get(method, set())
+                or rows[c].map(short).nunique(dropna=False) > 1]
+        for i, row in rows.iterrows():
+            out[i] = ", ".join(f"{c.split('.', 1)[1]}={short(row[c])}" for c in keep if not _missing(row[c]))
+    return out
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def fmt(value) -> str:
+    if _missing(value):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown(df: pd.DataFrame, right: set[str] = frozenset()) -> str:
+    """A GitHub markdown table; numeric columns are right-aligned."""
+    head = "| " + " | ".join(df.columns) + " |"
+    rule = "|" + "|".join("---:" if c in right else "---" for c in df.columns) + "|"
+    body = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
+
+
+def ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    rank = {m: i for i, m in enumerate(models_by_size(df["model"]))}
+    return df.assign(_rank=df["model"].map(rank)).sort_values(["_rank", *by], kind="stable").drop(columns="_rank")
+
+
+def bytes_columns(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """metrics.*bytes* columns, in MiB."""
+    return {f"{c.split('.', 1)[1]} (MiB)": pd.to_numeric(df[c], errors="coerce") / 2**20
+            for c in df.columns if c.startswith("metrics.") and "bytes" in c}
+
+
+def base(rows: pd.DataFrame) -> dict[str, pd.Series]:
+    return {"model": rows["model"], "method": rows["method"], "params": key_params(rows)}
+
+
+def ppl_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = df[df["task"] == "ppl"]
+    out = pd.DataFrame(base(rows) | {
+        "dataset": column(rows, "task_params.dataset"),
+        "seq_len": metric(rows, "seq_len").astype("Int64"),
+        "windows": metric(rows, "windows").astype("Int64"),
+        "ppl": metric(rows, "ppl"),
+        "kv_fraction": metric(rows, "kv_fraction"),
+        "rel. KV size": metric(rows, "kv_fraction") * bytes_ratio(rows),
+        "recall": metric(rows, "recall"),
+        **bytes_columns(rows),
+    })
+    return ordered(out, ["dataset", "seq_len", "method", "params"])
+
+
+def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = df[df["task"] == "lm_eval"]
+    out = pd.DataFrame(base(rows) | {
+        "task": column(rows, "metrics.task"),
+        "shots": metric(rows, "num_fewshot").astype("Int64"),
+        "protocol": column(rows, "metrics.protocol"),
+        "n": metric(rows, "n").astype("Int64"),
+        "acc": metric(rows, "acc"),
+        "± stderr": metric(rows, "acc_stderr"),
+        "acc_norm": metric(rows, "acc_norm"),
+        "kv_fraction": metric(rows, "kv_fraction"),
+        "rel. KV size": metric(rows, "kv_fraction") * bytes_ratio(rows),
+        "recall": metric(rows, "recall"),
+        **bytes_columns(rows),
+    })
+    return ordered(out, ["task", "shots", "method", "params"])
+
+
+def latency_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = df[df["task"] == "latency"]
+    out = pd.DataFrame(base(rows) | {
+        "batch": metric(rows, "batch_size").astype("Int64"),
+        "prompt": metric(rows, "prompt_len").astype("Int64"),
+        "gen": metric(rows, "gen_len").astype("Int64"),
+        "decode ms/token": metric(rows, "decode_ms_median"),
+        "modelled ms/token": metric(rows, "modelled_decode_ms_per_token"),
+        "prefill s": metric(rows, "prefill_s"),
+        "tokens/s": metric(rows, "tokens_per_s"),
+        "kv_fraction": metric(rows, "kv_fraction"),
+        **bytes_columns(rows),
+        "device": column(rows, "meta.device"),
+    })
+    return ordered(out, ["batch", "prompt", "method", "params"])
+
+
+def eviction_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = eviction_rows(df)
+    if rows.empty:
+        return pd.DataFrame(columns=["model", "method", "params", "dataset", "seq_len"])
+    fixed = [c for c in param_columns(rows) if c.split(".", 1)[1] not in ("capacity", "eviction")]
+    rows = rows.assign(params=rows[fixed].apply(
+        lambda r: ", ".join(f"{c.split('.', 1)[1]}={short(r[c])}" for c in fixed if not _missing(r[c])
+                            and c.split(".", 1)[1] in SIZE_PARAMS["infinigen"] | {"partial_ratio"}), axis=1),
+        seq_len=metric(rows, "seq_len").astype("Int64"))
+    wide = rows.pivot_table(index=["model", "method", "params", "dataset", "seq_len"], columns="pool", values="ppl",
+                            aggfunc="mean").reset_index()
+    pools = ["pool 100%"] + sorted(c for c in wide.columns if str(c).startswith("pool ") and c != "pool 100%")
+    wide = wide[["model", "method", "params", "dataset", "seq_len", *[p for p in pools if p in wide.columns]]]
+    wide.columns.name = None
+    return ordered(wide, ["dataset", "params"])
+
+
+BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "latency": latency_table, "eviction": eviction_table}
+TEXT = {"model", "method", "params", "dataset", "task", "protocol", "device"}
+
+
+def table(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    if df.empty or "task" not in df:
+        return pd.DataFrame(columns=["model", "method", "params"])
+    out = BUILDERS[name](df)
+    return out.dropna(axis=1, how="all").reset_index(drop=True) if not out.empty else out
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
+    parser.add_argument("--table", choices=TABLES, required=True)
+    parser.add_argument("--model", nargs="*", help="only these models")
+    args = parser.parse_args(argv)
+    df = store.load(args.results)
+    if args.model and not df.empty:
+        df = df[df["model"].isin(args.model)]
+    out = table(df, args.table)
+    text = markdown(out, right={c for c in out.columns if c not in TEXT})
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
