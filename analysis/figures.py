@@ -553,6 +553,8 @@ def eviction_rows(df: pd.DataFrame) -> pd.DataFrame:
     fixed = ["model", *task_cols, *[c for c in param_columns(rows) if c not in pool_cols]]
     rows["group"] = rows[fixed].map(short).agg(" | ".join, axis=1)
     rows = rows[rows.groupby("group")["pool"].transform(lambda s: (s != "pool 100%").any())]
+    if rows.empty:
+        return rows
     rows["ppl"] = metric(rows, "ppl")
     rows["dataset"] = column(rows, "task_params.dataset").astype(str)
     seq = metric(rows, "seq_len").map(lambda v: f"{v:.0f}")

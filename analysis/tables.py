@@ -154,10 +154,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
     parser.add_argument("--table", choices=TABLES, required=True)
     parser.add_argument("--model", nargs="*", help="only these models")
+    parser.add_argument("--where", nargs="*", default=[], metavar="COLUMN=VALUE",
+                        help="only rows whose store column equals the value, e.g. task_params.max_windows=8")
     args = parser.parse_args(argv)
     df = store.load(args.results)
     if args.model and not df.empty:
         df = df[df["model"].isin(args.model)]
+    for clause in args.where:
+        column, _, value = clause.partition("=")
+        if not df.empty:
+            df = df[df[column].astype(str) == value]
     out = table(df, args.table)
     text = markdown(out, right={c for c in out.columns if c not in TEXT})
     print(text)

@@ -100,7 +100,8 @@ def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
     config._attn_implementation = "eager"
     if cfg.get("random_init"):
         torch.manual_seed(cfg.get("seed", 0))
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+        with torch.device(device):  # built where it runs: a 13B model is never materialised in host memory
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = None
     else:
         src, extra = _source(cfg)
@@ -138,6 +139,13 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def _input_norm(block) -> torch.nn.Module:
     return block.self_attn_layer_norm if hasattr(block, "self_attn_layer_norm") else block.input_layernorm
+
+
+def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(first, last) module of a decoder block's feed-forward part, for timing hooks: Llama's `mlp`, OPT's fc1..fc2."""
+    if hasattr(block, "mlp"):
+        return block.mlp, block.mlp
+    return block.fc1, block.fc2
 
 
 @dataclass

@@ -16,7 +16,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
 
@@ -33,15 +32,18 @@ def attend(
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     g = h // hk
-    if not need_probs:  # fused kernel; same math as below
-        mask = None if keep is None else keep.unsqueeze(2).expand(b, hk, g, t, s).reshape(b, h, t, s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), None
-    scores = torch.matmul(q.view(b, hk, g, t, d), k.unsqueeze(2).transpose(-1, -2)) * scale  # (b, hk, g, t, s)
+    # Exactly transformers' eager attention (KV heads repeated, then one batched matmul; no fused kernel), so
+    # `full` reproduces the model's own logits to 1e-5 in fp32 over 30 layers.
+    kr = k[:, :, None].expand(b, hk, g, s, d).reshape(b, h, s, d)
+    vr = v[:, :, None].expand(b, hk, g, s, d).reshape(b, h, s, d)
+    scores = torch.matmul(q, kr.transpose(2, 3)) * scale  # (b, h, t, s)
     if keep is not None:
-        scores = scores.masked_fill(~keep.unsqueeze(2), torch.finfo(scores.dtype).min)
+        mask = keep.unsqueeze(2).expand(b, keep.shape[1], g, t, s) if keep.shape[1] > 1 else keep
+        scores = scores.masked_fill(~mask.reshape(b, -1, t, s) if keep.shape[1] > 1 else ~keep, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # (b, hk, g, t, d)
-    return out.view(b, h, t, d), probs
+    out = torch.matmul(probs.to(v.dtype), vr)  # (b, h, t, d)
+    probs = probs.view(b, hk, g, t, s)
+    return out.view(b, h, t, d), (probs if need_probs else None)
 
 
 def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""H2O: Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models", NeurIPS'23)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from baselines.streaming import check_budget, index_of, token_count
+from infinigen.adapter import KVStore
+from infinigen.method import KVMethod, attend, logits
+
+REDUCE = {
+    "sum": lambda p: p.sum(2),  # total attention mass the entry received from its query-head group
+    "max": lambda p: p.amax(2),  # the strongest single query head's attention
+    "mean": lambda p: p.mean(2),  # sum / group size: same ranking as "sum", for comparison with averaging codes
+}
+
+
+@contextmanager
+def one_thread():
+    """The sim-mode row loop runs thousands of tiny ops per layer: on CPU, OpenMP fork/join costs more than
+    their work (milliseconds each when the cores are shared), so they run on one thread; restored on exit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class H2O(KVMethod):
+    """Keeps the `recent` most recent tokens plus the `heavy` tokens with the largest accumulated attention
+    probability received so far; every other token is evicted for good, one decoding step at a time.
+
+    Budgets (int = tokens, float in (0, 1] = fraction of t, see `token_count`) are evaluated at t = tokens seen,
+    the current one included. Accumulated attention is kept per KV head: each step adds the step's softmax
+    probabilities (prefill rows included), aggregated over the query heads sharing the KV head by `gqa_reduce`
+    ("sum" | "max" | "mean"; per-head models have one query per group, where all three agree).
+
+    Step t, as in the paper's Algorithm 1: the query attends the entries kept after step t-1 plus itself
+    (so at most budget(t-1) + 1 entries), adds its probabilities to the accumulators, then the cache shrinks to
+    the window [t - recent(t), t) plus the top heavy(t) other entries by accumulated attention. The dense
+    prefill counts as the steps up to t = dense_rows and is evicted to budget(dense_rows) right after it.
+    """
+
+    heavy: int | float = 0.1
+    recent: int | float = 0.1
+    gqa_reduce: str = "sum"
+
+    needs_prefill_probs = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_budget("heavy", self.heavy)
+        check_budget("recent", self.recent)
+        if self.gqa_reduce not in REDUCE:
+            raise ValueError(f"gqa_reduce must be one of {sorted(REDUCE)}, got {self.gqa_reduce!r}")
+
+    def budget(self, seen: int) -> int:
+        """Entries kept after the step at which `seen` tokens exist."""
+        return min(seen, token_count(self.heavy, seen) + token_count(self.recent, seen))
+
+    def plan(self, seen: int, held: int) -> tuple[int, int]:
+        """(window start, number of entries to evict) after the step at which `seen` tokens exist and `held`
+        entries (the whole window among them) are in the cache. The candidates for eviction are the held
+        entries before the window: all but the `heavy` of them with the largest accumulated attention go.
+
+        Once the budget binds this evicts exactly one entry per step (the window advances by at most one
+        token and heavy(t) >= heavy(t-1)); only the eviction right after the prefill drops many at once.
+        """
+        recent = token_count(self.recent, seen)
+        heavy = min(token_count(self.heavy, seen), held - recent)
+        return seen - recent, held - recent - heavy
+
+    def reduce(self, probs: torch.Tensor) -> torch.Tensor:
+        return REDUCE[self.gqa_reduce](probs)  # (b, h_kv, g, ...) -> (b, h_kv, ...)
+
+    @staticmethod
+    def drop_index(cand_acc: torch.Tensor, n: int) -> torch.Tensor:
+        """(b, h_kv, c) accumulated attention of the candidates (+inf = not held) -> (b, h_kv, n) indices of the
+        n with the least. argmin (first occurrence) for the common single eviction: it is the cheapest."""
+        if n == 1:
+            return cand_acc.argmin(-1, keepdim=True)
+        return cand_acc.topk(n, dim=-1, largest=False).indices
+
+    # ------------------------------------------------------------------ sim mode
+    def sim_keep(self, session, layer, q, k, allowed):
+        """Replays the decode-mode eviction row by row on logits computed once for the whole sequence. Per row
+        only (b, h_kv, g, t)-sized ops run: evicted entries are masked by an additive bias and carry +inf
+        accumulated attention, so candidates are simply the prefix before the window."""
+        b, hk, t, s = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
+        if s != t:
+            raise ValueError(f"H2O sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
+        n_dense = min(session.dense_rows, t)
+        scores = logits(q, k, layer.logit_scale)  # (b, hk, g, t, s), every row at once
+        masked = torch.finfo(scores.dtype).min
+        acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
+        bias = torch.zeros(b, hk, 1, s, dtype=scores.dtype, device=q.device)  # 0 = held, `masked` = evicted
+        last_row = torch.full((b, hk, s), t, device=q.device)  # last query row that attends each entry
+        held = 0
+
+        def evict(seen: int, row: int) -> int:
+            start, n = self.plan(seen, held)
+            if n:
+                drop = self.drop_index(acc[..., :start], n)  # (b, hk, n), all < start
+                acc.scatter_(-1, drop, float("inf"))
+                bias[:, :, 0].scatter_(-1, drop, masked)
+                last_row.scatter_(-1, drop, row)
+            return held - n
+
+        if n_dense:  # the dense prefill: accumulate its rows, then one bulk eviction (as after_prefill does)
+            rows = scores[:, :, :, :n_dense, :n_dense].masked_fill(~allowed[:, :, None, :n_dense, :n_dense], masked)
+            acc[..., :n_dense] += self.reduce(torch.softmax(rows, dim=-1, dtype=torch.float32)).sum(-2)
+            held = n_dense
+            held = evict(n_dense, n_dense - 1)
+        with one_thread() if q.device.type == "cpu" else nullcontext():
+            for row in range(n_dense, t):
+                seen = row + 1
+                held += 1
+                sc = scores[:, :, :, row, :seen] + bias[..., :seen]  # (b, hk, g, seen)
+                acc[..., :seen] += self.reduce(torch.softmax(sc, dim=-1, dtype=torch.float32))
+                held = evict(seen, row)
+        rows = torch.arange(t, device=q.device)[:, None]
+        return (rows >= rows.T) & (rows <= last_row[:, :, None, :])  # (b, hk, t, s): causal, not yet evicted
+
+    # ------------------------------------------------------------------ decode mode
+    def evict(self, store: KVStore) -> None:
+        start, n = self.plan(store.seen, store.stored)
+        if n:
+            acc = store.entries["acc"]  # (b, h_kv, held), in position order: candidates come first
+            drop = self.drop_index(acc[..., : store.stored - (store.seen - start)], n)
+            keep = torch.ones_like(acc, dtype=torch.bool).scatter_(-1, drop, False)
+            store.keep(index_of(keep))  # gathers entries["acc"] too
+
+    def after_prefill(self, session, layer, store, q, probs) -> None:
+        store.entries["acc"] = self.reduce(probs).sum(-2)  # (b, h_kv, s): summed over the prefill rows
+        self.evict(store)
+
+    def decode_attention(self, session, layer, q, store):
+        out, probs = attend(q, store.keys, store.values, None, layer.logit_scale, need_probs=True)
+        self.record_decode(layer, store, store.stored)
+        acc = store.entries["acc"]
+        acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], 1)], dim=-1)  # the current token's accumulator
+        store.entries["acc"] = acc + self.reduce(probs[:, :, :, 0])  # probs (b, h_kv, g, 1, s)
+        self.evict(store)
+        return out

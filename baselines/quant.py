@@ -1,0 +1,153 @@
+"""KV-cache quantisation: group-wise asymmetric min-max integer codes along head_dim (the quantisation baseline
+of InfiniGen, Lee et al. OSDI'24, which uses FlexGen's scheme: Sheng et al., ICML'23, 4 bits, groups of 64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinigen.adapter import KVStore
+from infinigen.method import KVMethod, attend
+
+BITS = (8, 4, 2, 1)
+PARAM_DTYPE = torch.float16  # per-group scale and zero-point, as stored
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., d) -> codes (..., d) uint8 in [0, 2**bits - 1], scale and zero (..., d // group) fp16.
+
+    Per group of `group` consecutive channels: zero = min, scale = (max - min) / (2**bits - 1), both rounded to
+    fp16 *before* the codes are computed, so dequantisation with the stored fp16 values is as close as it can be.
+    """
+    levels = 2**bits - 1
+    xg = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, group))  # (..., d // group, group)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    zero = lo.to(PARAM_DTYPE)
+    # a constant group has max == min: any positive scale reproduces it (codes 0)
+    scale = ((hi - lo) / levels).to(PARAM_DTYPE).clamp(min=torch.finfo(PARAM_DTYPE).tiny)
+    codes = ((xg - zero.float()[..., None]) / scale.float()[..., None]).round().clamp(0, levels)
+    return codes.to(torch.uint8).flatten(-2), scale, zero
+
+
+def dequantize(codes, scale, zero, group: int, dtype) -> torch.Tensor:
+    """Inverse of `quantize`: codes * scale + zero, in `dtype`. (..., d)"""
+    c = codes.unflatten(-1, (-1, group)).float()
+    return (c * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """What attention sees of x once it went through the quantised cache (sim mode)."""
+    return dequantize(*quantize(x, bits, group), group, x.dtype)
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., d) uint8 codes < 2**bits -> (..., d * bits // 8) uint8, 8 // bits codes per byte (low bits first)."""
+    if bits == 8:
+        return codes
+    parts = codes.unflatten(-1, (-1, 8 // bits)) << _shifts(bits, codes.device)  # disjoint bit fields
+    return parts.sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    fields = (packed[..., None] >> _shifts(bits, packed.device)) & (2**bits - 1)  # (..., d * bits // 8, 8 // bits)
+    return fields.flatten(-2)
+
+
+class QuantStore(KVStore):
+    """A KVStore whose keys/values are packed integer codes, (b, h_kv, s, d * bits // 8) uint8; the per-group fp16
+    scale/zero-point live in `entries` (k_scale, k_zero, v_scale, v_zero: (b, h_kv, s, d // group)), so
+    eviction by another method would gather them too."""
+
+    PARAMS = ("k_scale", "k_zero", "v_scale", "v_zero")
+
+    def __init__(self, bits: int, group: int):
+        super().__init__()
+        self.bits, self.group = bits, group
+        self.dtype = None  # of the fp KV it dequantises to
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first = self.stored == 0
+        self.dtype = key_states.dtype
+        kc, ks, kz = quantize(key_states, self.bits, self.group)
+        vc, vs, vz = quantize(value_states, self.bits, self.group)
+        super().update(pack(kc, self.bits), pack(vc, self.bits))  # positions, seen, concatenation
+        for name, new in zip(self.PARAMS, (ks, kz, vs, vz)):
+            old = self.entries.get(name)
+            self.entries[name] = new if old is None else torch.cat([old, new], dim=-2)
+        if first:
+            return key_states, value_states  # the prefill attends densely in full precision
+        return self.dequantized()
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as attention sees them, (b, h_kv, s, d) in the model's dtype."""
+        e = self.entries
+        k = dequantize(unpack(self.keys, self.bits), e["k_scale"], e["k_zero"], self.group, self.dtype)
+        v = dequantize(unpack(self.values, self.bits), e["v_scale"], e["v_zero"], self.group, self.dtype)
+        return k, v
+
+    def nbytes(self) -> int:
+        params = sum(t.numel() * t.element_size() for name, t in self.entries.items() if name in self.PARAMS)
+        return super().nbytes() + params
+
+
+@dataclass
+class Quant(KVMethod):
+    """Keeps every token, with K and V quantised to `bits` (8, 4, 2 or 1) per element: groups of `group_size`
+    consecutive head_dim channels of one token and head share an asymmetric min-max scale/zero-point (fp16).
+
+    A head_dim smaller than group_size makes one group per head (min(group_size, head_dim)); otherwise head_dim
+    must be a multiple of group_size. Prefill rows attend the full-precision KV; every decoded token is
+    quantised when it enters the cache, *before* it is attended, so a decoded query sees dequantised KV for all
+    entries, its own included (sim: rows >= dense_rows attend dequantised K/V of every position).
+    """
+
+    bits: int = 4
+    group_size: int = 64
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(
+                f"group_size must be an int >= 1 (head_dim channels sharing a scale/zero), got {self.group_size!r}"
+            )
+
+    def group(self, head_dim: int) -> int:
+        group = min(self.group_size, head_dim)
+        if head_dim % group:
+            raise ValueError(f"group_size={self.group_size} must divide head_dim={head_dim} (or be >= it)")
+        if (head_dim * self.bits) % 8:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // self.bits} to pack {self.bits}-bit codes")
+        return group
+
+    def new_store(self, layer) -> QuantStore:
+        return QuantStore(self.bits, self.group(layer.head_dim))
+
+    def forward_attention(self, session, layer, q, k, v, allowed):
+        if session.mode == "decode":  # dense fp prefill; the store keeps its codes
+            return super().forward_attention(session, layer, q, k, v, allowed)
+        t, s = q.shape[2], k.shape[2]
+        n_dense = min(max(session.dense_rows - (s - t), 0), t)
+        scale, group = layer.logit_scale, self.group(layer.head_dim)
+        outs = []
+        if n_dense:
+            outs.append(attend(q[:, :, :n_dense], k, v, allowed[..., :n_dense, :], scale)[0])
+        if n_dense < t:
+            kq, vq = fake_quantize(k, self.bits, group), fake_quantize(v, self.bits, group)
+            outs.append(attend(q[:, :, n_dense:], kq, vq, allowed[..., n_dense:, :], scale)[0])
+        self.record_sim(session, layer, allowed, allowed)
+        return torch.cat(outs, dim=2)  # (b, h, t, d)
+
+    def decode_attention(self, session, layer, q, store):
+        k, v = store.dequantized()
+        out, _ = attend(q, k, v, None, layer.logit_scale)
+        self.record_decode(layer, store, store.stored)
+        return out

@@ -1,0 +1,95 @@
+"""StreamingLLM: attention sinks + a sliding window (Xiao et al., "Efficient Streaming Language Models with
+Attention Sinks", ICLR'24).
+
+Also home of the token-budget convention shared by the eviction baselines (h2o imports it): a budget is an int
+(an absolute number of tokens) or a float in (0, 1] (a fraction of the tokens seen so far).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinigen.adapter import KVStore
+from infinigen.method import KVMethod, attend
+
+
+def check_budget(name: str, value) -> None:
+    """A budget field is an int >= 1 (absolute count) or a float in (0, 1] (fraction of the sequence)."""
+    ok = not isinstance(value, bool) and (
+        (isinstance(value, int) and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be an int >= 1 (absolute number of tokens) or a float in (0, 1] (fraction of the "
+            f"tokens seen so far), got {value!r}"
+        )
+
+
+def token_count(budget: int | float, seen: int) -> int:
+    """Tokens a budget allows once `seen` tokens exist (the current one included): min(budget, seen) for an int,
+    min(seen, max(1, ceil(budget * seen))) for a fraction. The same function serves sim and decode mode.
+
+    The -1e-9 keeps float noise from rounding an exact product up (0.1 * 30 = 3.0000000000000004 -> 3, not 4).
+    For a fraction <= 1 the count grows by at most one per token, so a window [seen - count, seen) never
+    moves backwards: permanent eviction never needs a token back.
+    """
+    if isinstance(budget, int):
+        return min(budget, seen)
+    return min(seen, max(1, math.ceil(budget * seen - 1e-9)))
+
+
+def index_of(keep: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, n) bool with the same count per head -> (b, h_kv, k) ascending indices of the True entries."""
+    b, h, _ = keep.shape
+    return keep.nonzero()[:, -1].view(b, h, -1)  # nonzero is row-major: per head, indices come out sorted
+
+
+@dataclass
+class Streaming(KVMethod):
+    """Keeps the first `sinks` tokens (attention sinks) and the `recent` most recent tokens, the current one
+    included; everything in between is evicted for good.
+
+    At step t (t = tokens seen, current included) a query attends positions p < sinks or
+    p >= t - token_count(recent, t). Sim mode builds that banded mask for all rows at once; decode mode evicts
+    from the KVStore (right after the prefill, then before each step's attention), so the cache really shrinks.
+    """
+
+    sinks: int = 4
+    recent: int | float = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0 (number of initial tokens always kept), got {self.sinks!r}")
+        check_budget("recent", self.recent)
+
+    def window_start(self, seen: int) -> int:
+        return seen - token_count(self.recent, seen)
+
+    # ------------------------------------------------------------------ sim mode
+    def sim_keep(self, session, layer, q, k, allowed):
+        t, s = q.shape[2], k.shape[2]
+        seen = range(s - t + 1, s + 1)  # tokens seen by each query row
+        start = torch.tensor([self.window_start(n) for n in seen], device=q.device)  # (t,)
+        cols = torch.arange(s, device=q.device)
+        keep = (cols[None, :] < self.sinks) | (cols[None, :] >= start[:, None])  # (t, s)
+        return keep[None, None]  # (1, 1, t, s): the same for every head
+
+    # ------------------------------------------------------------------ decode mode
+    def evict(self, store: KVStore) -> None:
+        pos = store.positions  # (b, h_kv, n)
+        keep = (pos < self.sinks) | (pos >= self.window_start(store.seen))
+        if not bool(keep.all()):
+            store.keep(index_of(keep))
+
+    def after_prefill(self, session, layer, store, q, probs) -> None:
+        self.evict(store)
+
+    def decode_attention(self, session, layer, q, store):
+        self.evict(store)
+        out, _ = attend(q, store.keys, store.values, None, layer.logit_scale)
+        self.record_decode(layer, store, store.stored)
+        return out
