@@ -365,8 +365,8 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
         handles.append(layer.module.register_forward_pre_hook(capture(layer), with_kwargs=True))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)
-    method.bind(session)
     try:
+        method.bind(session)  # inside the try: a failing calibration must not leave the model patched
         yield session
     finally:
         for h in handles:
