@@ -119,13 +119,14 @@ def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, parti
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"rotations": rotations, "columns": columns}, path)
+    weight = layers[0].q_proj.weight  # speculation runs in the model's dtype and device (fp16 on GPU, fp64 in tests)
     folded = []
     for layer, A in zip(layers, rotations):
         if skew and layer.family == "opt":
             fold_opt(layer, A)
             folded.append(None)
         else:
-            folded.append(A if skew else None)
-    result = Skew(rotations=folded, columns=[c.to(layers[0].q_proj.weight.device) for c in columns])
+            folded.append(A.to(weight.device, weight.dtype) if skew else None)
+    result = Skew(rotations=folded, columns=[c.to(weight.device, weight.dtype) for c in columns])
     per_model[settings] = result
     return result

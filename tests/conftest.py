@@ -23,10 +23,10 @@ def model_cfg(name: str, **overrides):
 
 
 @lru_cache(maxsize=None)
-def load_model(name: str):
+def load_model(name: str, dtype: str | None = None):
     from infinigen import adapter
 
-    return adapter.load(model_cfg(name))
+    return adapter.load(model_cfg(name, **({"dtype": dtype} if dtype else {})))
 
 
 def method_from_conf(name: str, **overrides):

@@ -13,28 +13,28 @@ from infinigen import runtime
 # Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
 VARIANTS = {
     "infinigen": [{}, {"capacity": 0.8}],
-    "h2o": [{}],
+    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
     "quant": [{}, {"bits": 2}],
+    "streaming": [{}, {"recent": 32}],
 }
 TOL = 2e-4  # fp32 log-prob agreement; sim uses a masked softmax over all entries, decode a gathered subset
 
-
-# Known, open: quant's sim and decode paths disagree on smollm2-135m from the third decoded token on (tiny
-# models agree). Kept visible as an expected failure until baselines/quant.py is fixed.
-KNOWN_BROKEN = {("quant", "smollm2-135m")}
+# The real model is checked in float64. In fp32, sim (one masked forward) and decode (token steps) differ by
+# rounding (~3e-5 in log-probs), and a method's discrete choices (a score right at max - alpha, a value on a
+# quantisation bin edge) amplify that into different keep sets a few tokens later. In float64 the rounding
+# is ~1e-13, so any disagreement left is a logic bug, not noise. The tiny models are still checked in fp32.
+REAL_MODEL_DTYPE = "float64"
 
 
 def cases(models):
     for method in METHODS:
         for overrides in VARIANTS.get(method, [{}]):
             for model in models:
-                marks = [pytest.mark.xfail(reason="quant sim != decode on smollm2 (open bug)", strict=False)] \
-                    if (method, model) in KNOWN_BROKEN else []
-                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}", marks=marks)
+                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
 
 
-def check_contract(method_name, overrides, model_name, prompt, decoded):
-    model, _ = load_model(model_name)
+def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=None):
+    model, _ = load_model(model_name, dtype)
     ids = sample_ids(model_name, prompt + decoded)
     sim_method = method_from_conf(method_name, **overrides)
     sim = runtime.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
@@ -54,4 +54,4 @@ def test_sim_equals_decode_tiny(method_name, overrides, model_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"])))
 def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
-    check_contract(method_name, overrides, model_name, prompt=256, decoded=64)
+    check_contract(method_name, overrides, model_name, prompt=256, decoded=64, dtype=REAL_MODEL_DTYPE)
