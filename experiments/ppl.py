@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.data import check_dataset, corpus_text
-from infinigen.runtime import sim_logits
+from infinigen.runtime import cache_bytes, sim_logits
 
 CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig. 12)
 
@@ -66,6 +66,10 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
         chunk_n.index_add_(0, pos[scored] // CHUNK, torch.ones(int(scored.sum()), dtype=torch.float64))
     mean_nll = nll_sum / n_tok
     stats = method.stats.summary()
+    # What the method's decode-mode cache really holds at seq_len (quant: codes + scales; h2o: its budget), on
+    # the first window; its stats are not counted.
+    held, dense = cache_bytes(model, method, ids[: task.seq_len][None].to(device))
+    method.reset_stats()
     return {
         "ppl": math.exp(mean_nll),
         "nll": mean_nll,
@@ -74,5 +78,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
         "seconds_per_window": sum(seconds) / len(seconds),
         "nll_by_chunk": {int(i) * CHUNK: float(chunk_sum[i] / chunk_n[i]) for i in range(len(chunk_n)) if chunk_n[i]},
         "kv_fraction": stats.get("kv_fraction"),
+        "cache_bytes": held,
+        "dense_cache_bytes": dense,
         "stats": stats,
     }

@@ -48,6 +48,17 @@ def decode_logits(model, method, input_ids: torch.Tensor, dense_rows: int, progr
     return torch.stack(out[:-1], dim=1)
 
 
+def cache_bytes(model, method, input_ids: torch.Tensor) -> tuple[int, int]:
+    """(bytes the method's decode-mode cache holds, bytes a dense cache in the model's dtype holds) after a dense
+    prefill of input_ids[:, :-1] and one decode step: what the method keeps at that sequence length."""
+    decode_logits(model, method, input_ids, dense_rows=input_ids.shape[1] - 1)
+    held = method.store_bytes(list(method.last_cache.layers))
+    method.last_cache = None
+    entry = torch.finfo(model.dtype).bits // 8
+    dense = sum(2 * input_ids.numel() * layer.num_kv_heads * layer.head_dim * entry for layer in adapter.attention_layers(model))
+    return held, dense
+
+
 @torch.inference_mode()
 def greedy_generate(model, method, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     cache = new_cache(model, method)
