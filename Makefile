@@ -2,6 +2,8 @@
 PY        ?= .venv/bin/python
 DATA_DIR  ?= ../shared/data
 PYTEST_ARGS ?=
+SMOKE_RESULTS ?= results/smoke
+SMOKE ?= $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml))))
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
@@ -36,10 +38,10 @@ bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-13
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)
 	$(PY) run.py -m +experiment=$(EXP) data_dir=$(DATA_DIR)
 
-smoke: install  ## every *_smoke preset, then figures/ (CPU; re-run to resume an interrupted one)
-	for exp in $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml)))); do \
-	  $(PY) run.py -m +experiment=$$exp data_dir=$(DATA_DIR) || exit 1; done
-	$(PY) -m analysis.figures --results results --out figures
+smoke: install  ## the *_smoke presets (SMOKE=... for a subset) into results/smoke, figures into docs/smoke (CPU; re-run resumes)
+	for exp in $(SMOKE); do \
+	  $(PY) run.py -m +experiment=$$exp data_dir=$(DATA_DIR) results_dir=$(SMOKE_RESULTS) || exit 1; done
+	$(PY) -m analysis.figures --results $(SMOKE_RESULTS) --out docs/smoke
 
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures

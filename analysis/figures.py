@@ -234,7 +234,7 @@ def nll_by_position(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def fig12_ppl_position(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
-    """Mean NLL per 256-token chunk vs position (WikiText-2 etc.), one panel per (model, dataset, seq_len) with
+    """Mean NLL per 256-token chunk vs position (WikiText-2 etc.), one panel per (model, dataset, seq_len, windows) with
     at least 8 chunks, one line per method setting. InfiniGen runs with a capped pool (Table 2) are left out."""
     title = "Fig. 12: NLL per 256-token chunk vs position"
     hint = run_hint("fig12_ppl_position_smoke", "fig12_ppl_position_opt", "fig12_ppl_position_llama")
@@ -248,7 +248,8 @@ def fig12_ppl_position(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         return empty_figure(title, "ppl rows with seq_len >= 2048", hint), pd.DataFrame(columns=cols)
     rows = rows.copy()
     rows["panel"] = (rows["model"] + " / " + column(rows, "task_params.dataset").astype(str) + " / seq "
-                     + metric(rows, "seq_len").map(lambda v: f"{v:.0f}"))
+                     + metric(rows, "seq_len").map(lambda v: f"{v:.0f}") + " / "
+                     + metric(rows, "windows").map(lambda v: f"{v:.0f} window" + "s" * (v != 1)))
     rows["curve"] = per_panel(rows)
     data = points.join(rows[["panel", "curve", "method", "config_hash"]], on="row")
     panels = sorted(data["panel"].unique())

@@ -67,6 +67,15 @@ def bytes_columns(df: pd.DataFrame) -> dict[str, pd.Series]:
             for c in df.columns if c.startswith("metrics.") and "bytes" in c}
 
 
+def kv_columns(rows: pd.DataFrame) -> dict[str, pd.Series]:
+    return {
+        "kv_fraction": metric(rows, "kv_fraction"),
+        "rel. KV size": metric(rows, "kv_fraction") * bytes_ratio(rows),
+        "recall": metric(rows, "recall"),
+        **bytes_columns(rows),
+    }
+
+
 def base(rows: pd.DataFrame) -> dict[str, pd.Series]:
     return {"model": rows["model"], "method": rows["method"], "params": key_params(rows)}
 
@@ -78,10 +87,7 @@ def ppl_table(df: pd.DataFrame) -> pd.DataFrame:
         "seq_len": metric(rows, "seq_len").astype("Int64"),
         "windows": metric(rows, "windows").astype("Int64"),
         "ppl": metric(rows, "ppl"),
-        "kv_fraction": metric(rows, "kv_fraction"),
-        "rel. KV size": metric(rows, "kv_fraction") * bytes_ratio(rows),
-        "recall": metric(rows, "recall"),
-        **bytes_columns(rows),
+        **kv_columns(rows),
     })
     return ordered(out, ["dataset", "seq_len", "method", "params"])
 
@@ -96,10 +102,8 @@ def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
         "acc": metric(rows, "acc"),
         "± stderr": metric(rows, "acc_stderr"),
         "acc_norm": metric(rows, "acc_norm"),
-        "kv_fraction": metric(rows, "kv_fraction"),
-        "rel. KV size": metric(rows, "kv_fraction") * bytes_ratio(rows),
-        "recall": metric(rows, "recall"),
-        **bytes_columns(rows),
+        **({"word ppl": metric(rows, "word_perplexity")} if "metrics.word_perplexity" in rows else {}),
+        **kv_columns(rows),
     })
     return ordered(out, ["task", "shots", "method", "params"])
 

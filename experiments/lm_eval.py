@@ -30,7 +30,8 @@ where the stats are exact for every method.
 Stats (`method.stats`) are reset before each requested task name, so each row carries its own task's summary (a
 requested group shares one summary among its subtasks).
 
-Models without a tokenizer (the random-init test models) read UTF-8 bytes: token id = byte value (`byte_tokenizer`).
+Models without a tokenizer (the random-init test models) read UTF-8 bytes: token id = byte value
+(`infinigen.adapter.byte_tokenizer`).
 """
 
 from __future__ import annotations
@@ -55,35 +56,6 @@ PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
 
 
-# ----------------------------------------------------------------------------------------------- tokenizer
-
-
-def _byte_chars() -> list[str]:
-    """Byte b -> the printable character byte-level tokenizers use for it: printable Latin-1 bytes stand for
-    themselves, the others are moved past 255 in order."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
-    chars, shifted = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + shifted))
-            shifted += 1
-    return chars
-
-
-def byte_tokenizer(eos_token: str = "<|endoftext|>"):
-    """A tokenizer for models without one: one token per UTF-8 byte (id = byte value), eos = id 256."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: b for b, c in enumerate(_byte_chars())} | {eos_token: 256}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=eos_token)
-
-
 # ----------------------------------------------------------------------------------------------- the LM
 
 
@@ -106,7 +78,7 @@ class KVMethodLM(HFLM):
         if tokenizer is None:
             if model.config.vocab_size < 257:
                 raise ValueError(f"byte_tokenizer needs a vocab of >= 257 ids, model has {model.config.vocab_size}")
-            tokenizer = byte_tokenizer()
+            tokenizer = adapter.byte_tokenizer()
         super().__init__(
             pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=int(batch_size), max_length=max_length
         )
@@ -355,6 +327,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> list[dict]:
     for requested, name in zip(names, resolved, strict=True):
         rows.extend(evaluate_one(lm, requested, name, tm, task))
     for row in rows:
-        shown = {k: row.get(k) for k in ("acc", "acc_norm", "n", "kv_fraction", "seconds")}
+        shown = {k: row[k] for k in ("acc", "acc_norm", "word_perplexity") if k in row}  # the task's headline
+        shown |= {k: row.get(k) for k in ("n", "kv_fraction", "seconds")}
         print(f"[lm_eval] {row['task']} ({row['protocol']}): {shown}")
     return rows

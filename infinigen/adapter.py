@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -127,6 +133,31 @@ _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def tokenizer_of(model):
     """The tokenizer `load` returned with this model (None for random-init models: they read bytes)."""
     return _TOKENIZERS.get(model)
+
+
+def _byte_chars() -> list[str]:
+    """Byte b -> the printable character byte-level tokenizers use for it: printable Latin-1 bytes stand for
+    themselves, the others are moved past 255 in order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def byte_tokenizer(eos_token: str = "<|endoftext|>") -> PreTrainedTokenizerFast:
+    """A tokenizer for models without one: one token per UTF-8 byte (id = byte value), eos = id 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(_byte_chars())} | {eos_token: 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=eos_token)
 
 
 # ----------------------------------------------------------------------------------------------- per-layer view

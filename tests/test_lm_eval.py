@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from baselines.full import Full
 from conftest import METHODS, ROOT, load_model, method_from_conf
 from experiments import lm_eval as le
+from infinigen import adapter
 from infinigen.method import KVMethod
 from infinigen.runtime import sim_logits
 
@@ -72,7 +73,7 @@ def token_requests(max_length: int) -> list:
 def tiny():
     model, tok = load_model("tiny-llama")
     assert tok is None
-    return model, le.byte_tokenizer()
+    return model, adapter.byte_tokenizer()
 
 
 MAX_LENGTH = 128  # small, to exercise lm-eval's left truncation cheaply

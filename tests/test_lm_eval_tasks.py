@@ -5,13 +5,17 @@ experiments/lm_eval_tasks/utils.py) into the HF dataset schema that the built-in
 built-in task is then built from lm-eval's own YAML with only its dataset swapped for those docs (the
 hub is not reachable), and its requests are compared string for string with those of our local task.
 
+wikitext_local (rolling log-likelihood, not multiple choice) is also run end to end through KVMethodLM.
+
 Data dir: $DATA_DIR, default <repo>/../shared/data. Skipped if it does not exist.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,7 +36,11 @@ lm_eval_tasks_pkg = pytest.importorskip("lm_eval.tasks")
 
 from lm_eval.api.task import ConfigurableTask  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
+from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
+from conftest import ROOT, load_model, method_from_conf  # noqa: E402
+from experiments import lm_eval as le  # noqa: E402
 from experiments.lm_eval_tasks import LOCAL_TASKS, resolve_task_names, task_manager  # noqa: E402
 
 BUILTIN_DIR = Path(lm_eval_tasks_pkg.__file__).resolve().parent
@@ -42,8 +50,12 @@ BUILTIN_YAML = {
     "winogrande": BUILTIN_DIR / "winogrande" / "default.yaml",
     "piqa": BUILTIN_DIR / "piqa" / "piqa.yaml",
     "rte": BUILTIN_DIR / "glue" / "rte" / "default.yaml",
+    "wikitext": BUILTIN_DIR / "wikitext" / "wikitext.yaml",
 }
 TASKS = sorted(LOCAL_TASKS)
+ROLLING_TASKS = ["wikitext"]  # loglikelihood_rolling: no prompt, choices or few-shot context
+MC_TASKS = [t for t in TASKS if t not in ROLLING_TASKS]
+WIKITEXT_ARTICLES = 62  # level-1 headings in WikiText-2 test
 N_DOCS = 5
 N_SHOT = 5
 SEED = 1234  # lm-eval's default fewshot_random_seed
@@ -81,6 +93,11 @@ def hf_docs(task: str) -> list[dict]:
             }
             for r in _jsonl(DATA_DIR / "openbookqa" / "test.jsonl")
         ]
+    if task == "wikitext":  # EleutherAI/wikitext_document_level wikitext-2-raw-v1: page (one per article)
+        lines = (DATA_DIR / "wikitext-2" / "wiki.test.raw").read_text(encoding="utf-8").split("\n")
+        starts = [i for i, line in enumerate(lines) if re.fullmatch(r" = [^=].* = ", line)]
+        assert lines[: starts[0]] == [" "]  # only a blank line before the first article
+        return [{"page": "\n".join(lines[a:b])} for a, b in zip(starts, [*starts[1:], len(lines)])]
     raise KeyError(task)
 
 
@@ -136,7 +153,7 @@ def test_docs_are_the_hf_docs(task, task_pairs):
     assert (local.config.test_split is None) == (builtin.config.test_split is None)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", MC_TASKS)
 def test_zero_shot_prompts_choices_targets_identical(task, task_pairs):
     local, builtin = task_pairs[task]
     for i in range(N_DOCS):
@@ -152,7 +169,7 @@ def test_zero_shot_prompts_choices_targets_identical(task, task_pairs):
     assert lreq == breq
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", MC_TASKS)
 def test_five_shot_contexts_identical(task, task_pairs):
     local, builtin = task_pairs[task]
     lreq, breq = _requests(local, N_SHOT), _requests(builtin, N_SHOT)
@@ -175,7 +192,7 @@ def _rendered_qa(task: ConfigurableTask, doc: dict) -> str:
     return "".join(m.to_text() for m in turn)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", MC_TASKS)
 def test_eval_doc_not_in_its_own_fewshot_context(task, local_tasks):
     """The local few-shot pool is the evaluated split; the evaluated doc must never be its own example.
     With num_fewshot = pool size - 1 a missing exclusion would show up almost surely."""
@@ -194,7 +211,7 @@ def test_eval_doc_not_in_its_own_fewshot_context(task, local_tasks):
 
 
 def test_resolve_task_names():
-    names = ["copa", "openbookqa", "winogrande", "piqa", "rte", "hellaswag", "rte_local"]
+    names = ["copa", "openbookqa", "winogrande", "piqa", "rte", "wikitext", "hellaswag", "rte_local"]
     assert resolve_task_names(names, None) == names
     assert resolve_task_names(names, str(DATA_DIR)) == [
         "copa_local",
@@ -202,6 +219,7 @@ def test_resolve_task_names():
         "winogrande_local",
         "piqa_local",
         "rte_local",
+        "wikitext_local",
         "hellaswag",
         "rte_local",
     ]
@@ -218,8 +236,10 @@ def test_missing_file_raises(tmp_path):
         resolve_task_names(["copa", "rte"], str(tmp_path))
     with pytest.raises(ValueError, match=r"'piqa_local'.*valid-labels\.lst"):
         resolve_task_names(["piqa"], str(tmp_path))
+    with pytest.raises(ValueError, match=r"'wikitext_local'.*wikitext-2/wiki\.test\.raw"):
+        resolve_task_names(["wikitext"], str(tmp_path))
     with pytest.raises(ValueError, match=r"openbookqa_local|piqa_local|rte_local|winogrande_local"):
-        task_manager(str(tmp_path))  # all five by default
+        task_manager(str(tmp_path))  # all six by default
     with pytest.raises(ValueError, match="does not exist"):
         task_manager(str(tmp_path / "nope"))
 
@@ -227,3 +247,44 @@ def test_missing_file_raises(tmp_path):
     assert tm.all_tasks == ["copa_local"]
     copa = tm.load(["copa_local"])["tasks"]["copa_local"]
     assert len(copa.eval_docs) == 100
+
+
+# --------------------------------------------------------------------------- wikitext (rolling)
+def test_wikitext_rolling_requests(task_pairs):
+    """One article per doc; each request is the detokenized page alone (lm-eval's own detokenizer), as the
+    built-in's; no few-shot (num_fewshot 0 in the YAML); same metrics and per-doc results."""
+    local, builtin = task_pairs["wikitext"]
+    assert local.OUTPUT_TYPE == builtin.OUTPUT_TYPE == "loglikelihood_rolling"
+    assert len(local.eval_docs) == WIKITEXT_ARTICLES
+    assert local.eval_docs[0]["page"].startswith(" = Robert Boulter = \n")
+    assert local.config.num_fewshot == 0
+    lreq, breq = _requests(local, 0), _requests(builtin, 0)
+    assert lreq == breq
+    assert [args for _, _, args in lreq] == [(wikitext_detokenizer(local.eval_docs[i]),) for i in range(N_DOCS)]
+    assert [m["metric"] for m in local.config.metric_list] == [m["metric"] for m in builtin.config.metric_list]
+    doc = local.eval_docs[0]
+    assert local.process_results(doc, [-123.0]) == builtin.process_results(doc, [-123.0])
+
+
+def test_wikitext_through_kv_method_lm(data_dir):
+    """End to end through experiments.lm_eval.run on the tiny random-init model (byte tokenizer): finite
+    perplexities, the requested 5 shots ignored (0 in the YAML), and a sparse method changes the score."""
+    model, _ = load_model("tiny-llama")
+    cfg = OmegaConf.merge(
+        OmegaConf.load(ROOT / "conf" / "task" / "lm_eval.yaml"),
+        {"tasks": ["wikitext"], "num_fewshot": 5, "limit": 1},
+    )
+    rows = {}
+    for name, method in [("full", method_from_conf("full")),
+                         ("h2o", method_from_conf("h2o", heavy=0.05, recent=0.05))]:
+        (row,) = le.run(model, None, method, cfg, data_dir)  # None: the byte tokenizer
+        rows[name] = row
+        assert row["task"] == "wikitext" and row["lm_eval_task"] == "wikitext_local"
+        assert row["num_fewshot"] == 0 and row["n"] == 1 and row["n_docs"] == WIKITEXT_ARTICLES
+        for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+            assert math.isfinite(row[metric]) and row[metric] > 0, (name, metric, row[metric])
+        assert row["requests"] > 1  # the article is longer than the model's 1024 positions: several windows
+    assert rows["full"]["kv_fraction"] == 1.0
+    assert rows["h2o"]["kv_fraction"] < 0.5
+    full, sparse = rows["full"]["word_perplexity"], rows["h2o"]["word_perplexity"]
+    assert abs(sparse - full) > 1e-3 * full

@@ -1,4 +1,5 @@
-"""Offline lm-eval 0.4.13 twins of copa, openbookqa, winogrande, piqa and rte.
+"""Offline lm-eval 0.4.13 twins of copa, openbookqa, winogrande, piqa, rte (multiple choice) and wikitext
+(rolling log-likelihood: word/byte perplexity, bits per byte).
 
 The YAMLs in this folder name their data files relative to a data dir (e.g. /work/shared/data, see its
 SOURCES.md). :func:`task_manager` turns them into tasks with absolute paths; :func:`resolve_task_names`
@@ -31,6 +32,7 @@ LOCAL_TASKS: dict[str, str] = {
     "winogrande": "winogrande_local",
     "piqa": "piqa_local",
     "rte": "rte_local",
+    "wikitext": "wikitext_local",
 }
 
 # dataset_kwargs keys whose values are paths relative to the data dir
@@ -146,7 +148,7 @@ def task_manager(
 
 
 def resolve_task_names(names: list[str], data_dir: str | os.PathLike | None) -> list[str]:
-    """Map copa/openbookqa/winogrande/piqa/rte to their ``_local`` twins when data_dir is set.
+    """Map the plain names in LOCAL_TASKS (copa, ..., wikitext) to their ``_local`` twins when data_dir is set.
 
     Other names (and everything when data_dir is None) pass through unchanged. Raises ValueError if
     data_dir is set and a file that a mapped task needs is missing.

@@ -1,8 +1,8 @@
 """Document helpers for the offline lm-eval tasks in this folder.
 
-The prompt functions are lm-eval's own (imported, not copied), so the local tasks render exactly what the
-built-in ``copa`` / ``winogrande`` tasks render. The rest only turns the local files into the HF schema
-that the built-in task configs expect.
+The prompt / target / result functions are lm-eval's own (imported, not copied), so the local tasks render
+exactly what the built-in ``copa`` / ``winogrande`` / ``wikitext`` tasks render. The rest only turns the
+local files into the HF schema that the built-in task configs expect.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from lm_eval.tasks.super_glue.copa.utils import (  # noqa: F401
     doc_to_choice as copa_doc_to_choice,
     doc_to_target as copa_doc_to_target,
     doc_to_text as copa_doc_to_text,
+)
+from lm_eval.tasks.wikitext.preprocess_wikitext import (  # noqa: F401
+    process_results as wikitext_process_results,
+    wikitext_detokenizer,
 )
 from lm_eval.tasks.winogrande.preprocess_winogrande import (  # noqa: F401
     doc_to_choice as winogrande_doc_to_choice,
@@ -84,3 +88,36 @@ def load_piqa(
             f"piqa_local: {labels_file} has {len(labels)} labels but {path} has {len(ds)} questions"
         )
     return datasets.DatasetDict({split: ds.add_column("label", labels)})
+
+
+def is_article_heading(line: str) -> bool:
+    """A level-1 WikiText heading (`` = Title = ``), where a new article starts; ``= = Section = =`` and
+    deeper headings are not."""
+    stripped = line.replace("= = =", "===").replace("= =", "==").strip()
+    return stripped.startswith("= ") and stripped.endswith(" =")
+
+
+def wikitext_pages(text: str) -> list[str]:
+    """A raw WikiText file -> its articles, split as HF ``EleutherAI/wikitext_document_level`` does: a page
+    starts at each level-1 heading line and is its raw lines joined by newlines, so the pages joined by
+    newlines give back the file; blank-only pages (the file's leading blank line) are dropped."""
+    pages: list[str] = []
+    lines: list[str] = []
+    for line in text.split("\n"):
+        if is_article_heading(line) and lines:
+            pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return [page for page in pages if page.strip()]
+
+
+def load_wikitext(data_files: dict[str, str] | None = None, **_metadata: Any) -> datasets.DatasetDict:
+    """custom_dataset for wikitext_local: raw WikiText file(s) -> the HF ``EleutherAI/wikitext_document_level``
+    schema, one {"page": str} document per article. Kept in memory (nothing in the datasets cache)."""
+    if not data_files:
+        raise ValueError("wikitext_local needs dataset_kwargs.data_files ({split: path to wiki.*.raw})")
+    return datasets.DatasetDict({
+        split: datasets.Dataset.from_dict({"page": wikitext_pages(Path(path).read_text(encoding="utf-8"))})
+        for split, path in data_files.items()
+    })
