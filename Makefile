@@ -47,7 +47,7 @@ figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures
 
 tables: install  ## markdown tables of the results store (README)
-	for t in ppl lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done
+	for t in ppl accuracy lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done
 
 clean:  ## remove caches (never results/)
 	rm -rf .pytest_cache .cache **/__pycache__

@@ -484,6 +484,8 @@ def accuracy_panel(ax: Axes, df: pd.DataFrame, along: str, xlabel: str, preset: 
         rows = rows.sort_values(along)
         twin.plot(rows[along], rows["kv_pct"], linestyle=":", color="tab:red", marker=MARKERS[i], markersize=3)
     twin.set_ylabel("measured KV fraction (%), dotted", color="tab:red", fontsize=8)
+    if y == "ppl" and data[y].max() > 10 * data[y].min():  # a small alpha's perplexity would flatten the rest
+        ax.set_yscale("log")
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -1,9 +1,10 @@
 """Markdown tables from the results store, for the README:
 
-    python -m analysis.tables --results results --table ppl|lm_eval|latency|eviction
+    python -m analysis.tables --results results --table ppl|lm_eval|accuracy|latency|eviction
 
-One line per stored row (ppl, lm_eval: one per lm-eval task, latency), or per (model, dataset) for `eviction`
-(InfiniGen Table 2: perplexity by KV pool setting). `params` lists a method's KV-size hyperparameters and any
+One line per stored row (ppl, lm_eval: one per lm-eval task, latency), per method setting for `accuracy` (lm-eval
+acc, one column per task), or per (model, dataset) for `eviction` (InfiniGen Table 2: perplexity by KV pool
+setting). `params` lists a method's KV-size hyperparameters and any
 other hyperparameter that differs between that method's rows in the table. kv_fraction is measured (share of
 cached entries attended); rel. KV size = kv_fraction x entry size vs 16 bits (quant: bits/16); recall
 (InfiniGen / oracle) is the share of the true attention mass carried by the tokens a method fetched; byte counts appear when the task
@@ -21,7 +22,7 @@ from analysis import store
 from analysis.figures import (SIZE_PARAMS, bytes_ratio, column, eviction_rows, metric, models_by_size,
                               param_columns, short)
 
-TABLES = ("ppl", "lm_eval", "latency", "eviction")
+TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction")
 
 
 def key_params(df: pd.DataFrame) -> pd.Series:
@@ -142,7 +143,26 @@ def eviction_table(df: pd.DataFrame) -> pd.DataFrame:
     return ordered(wide, ["dataset", "params"])
 
 
-BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "latency": latency_table, "eviction": eviction_table}
+def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
+    """lm_eval accuracy, one line per method setting (and shots, protocol, limit), one column per task (acc; the
+    mean over the tasks last), with the setting's kv_fraction averaged over its tasks."""
+    long = lm_eval_table(df)
+    long = long[long["acc"].notna()] if "acc" in long else long.iloc[0:0]
+    if long.empty:
+        return pd.DataFrame(columns=["model", "method", "params"])
+    long = long.assign(limit=metric(df.loc[long.index], "limit").astype("Int64").astype(str))
+    index = ["model", "method", "params", "shots", "protocol", "limit"]
+    wide = long.pivot_table(index=index, columns="task", values="acc", aggfunc="mean").reset_index()
+    tasks = sorted(long["task"].unique())
+    wide["mean acc"] = wide[tasks].mean(axis=1)
+    kv = long.groupby(index, dropna=False)["kv_fraction"].mean().rename("kv_fraction").reset_index()
+    wide = wide.merge(kv, on=index, how="left")
+    wide.columns.name = None
+    return ordered(wide[[*index, *tasks, "mean acc", "kv_fraction"]], ["shots", "protocol", "kv_fraction"])
+
+
+BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "accuracy": accuracy_table, "latency": latency_table,
+            "eviction": eviction_table}
 TEXT = {"model", "method", "params", "dataset", "task", "protocol", "device"}
 
 
@@ -159,7 +179,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--table", choices=TABLES, required=True)
     parser.add_argument("--model", nargs="*", help="only these models")
     parser.add_argument("--where", nargs="*", default=[], metavar="COLUMN=VALUE",
-                        help="only rows whose store column equals the value, e.g. task_params.max_windows=8")
+                        help="only rows whose store column equals the value (or one of a,b,c), e.g. method=full,h2o")
     args = parser.parse_args(argv)
     df = store.load(args.results)
     if args.model and not df.empty:
@@ -167,7 +187,7 @@ def main(argv: list[str] | None = None) -> str:
     for clause in args.where:
         column, _, value = clause.partition("=")
         if not df.empty:
-            df = df[df[column].astype(str) == value]
+            df = df[df[column].astype(str).isin(value.split(","))]
     out = table(df, args.table)
     text = markdown(out, right={c for c in out.columns if c not in TEXT})
     print(text)

@@ -190,9 +190,18 @@ def test_empty_figures_name_the_preset_to_run():
         assert "python run.py -m +experiment=" in text and "_smoke" in text, name
 
 
-@pytest.mark.parametrize("table", ["ppl", "lm_eval", "latency", "eviction"])
+@pytest.mark.parametrize("table", list(tables.TABLES))
 def test_markdown_tables(synthetic, table, capsys):
     tables.main(["--results", str(synthetic), "--table", table])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("| model | method |") and set(out[1]) <= {"|", "-", ":", " "}
     assert len(out) > 3
+
+
+def test_accuracy_table_has_one_column_per_task(synthetic):
+    out = tables.table(store.load(synthetic), "accuracy")
+    five = ["copa", "openbookqa", "piqa", "rte", "winogrande"]
+    assert set(five) <= set(out.columns) and "mean acc" in out
+    full8 = out[(out["method"] == "full") & (out["limit"] == "8")].iloc[0]
+    assert full8["mean acc"] == pytest.approx(0.75) and full8["kv_fraction"] == 1.0
+    assert len(out) == len(out[["method", "params", "limit"]].drop_duplicates())  # one line per setting
