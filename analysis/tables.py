@@ -14,6 +14,7 @@ reported them.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 
 import pandas as pd
@@ -186,8 +187,12 @@ def main(argv: list[str] | None = None) -> str:
         df = df[df["model"].isin(args.model)]
     for clause in args.where:
         column, _, value = clause.partition("=")
-        if not df.empty:
-            df = df[df[column].astype(str).isin(value.split(","))]
+        if df.empty:
+            break
+        if column not in df:
+            near = difflib.get_close_matches(column, list(df.columns), n=3, cutoff=0.5)
+            raise SystemExit(f"--where {clause!r}: the store has no column {column!r}" + (f"; close: {near}" if near else ""))
+        df = df[df[column].astype(str).isin(value.split(","))]
     out = table(df, args.table)
     text = markdown(out, right={c for c in out.columns if c not in TEXT})
     print(text)
