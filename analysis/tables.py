@@ -174,6 +174,16 @@ def table(df: pd.DataFrame, name: str) -> pd.DataFrame:
     return out.dropna(axis=1, how="all").reset_index(drop=True) if not out.empty else out
 
 
+def matches(col: pd.Series, values: list[str]) -> pd.Series:
+    """col equals one of values: as text, or as numbers (a column with gaps reads 8 as 8.0)."""
+    mask = col.astype(str).isin(values)
+    try:
+        numbers = [float(v) for v in values]
+    except ValueError:
+        return mask
+    return mask | pd.to_numeric(col, errors="coerce").isin(numbers)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
@@ -192,7 +202,7 @@ def main(argv: list[str] | None = None) -> str:
         if column not in df:
             near = difflib.get_close_matches(column, list(df.columns), n=3, cutoff=0.5)
             raise SystemExit(f"--where {clause!r}: the store has no column {column!r}" + (f"; close: {near}" if near else ""))
-        df = df[df[column].astype(str).isin(value.split(","))]
+        df = df[matches(df[column], value.split(","))]
     out = table(df, args.table)
     text = markdown(out, right={c for c in out.columns if c not in TEXT})
     print(text)
