@@ -100,11 +100,12 @@ def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
         "task": column(rows, "metrics.task"),
         "shots": metric(rows, "num_fewshot").astype("Int64"),
         "protocol": column(rows, "metrics.protocol"),
+        "limit": metric(rows, "limit").astype("Int64"),
         "n": metric(rows, "n").astype("Int64"),
         "acc": metric(rows, "acc"),
         "± stderr": metric(rows, "acc_stderr"),
         "acc_norm": metric(rows, "acc_norm"),
-        **({"word ppl": metric(rows, "word_perplexity")} if "metrics.word_perplexity" in rows else {}),
+        "word ppl": metric(rows, "word_perplexity"),
         **kv_columns(rows),
     })
     return ordered(out, ["task", "shots", "method", "params"])
@@ -148,10 +149,10 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """lm_eval accuracy, one line per method setting (and shots, protocol, limit), one column per task (acc; the
     mean over the tasks last), with the setting's kv_fraction averaged over its tasks."""
     long = lm_eval_table(df)
-    long = long[long["acc"].notna()] if "acc" in long else long.iloc[0:0]
+    long = long[long["acc"].notna()]
     if long.empty:
         return pd.DataFrame(columns=["model", "method", "params"])
-    long = long.assign(limit=metric(df.loc[long.index], "limit").astype("Int64").astype(str))
+    long = long.assign(limit=long["limit"].astype(str))  # a missing limit (every doc) stays a group: "<NA>"
     index = ["model", "method", "params", "shots", "protocol", "limit"]
     wide = long.pivot_table(index=index, columns="task", values="acc", aggfunc="mean").reset_index()
     tasks = sorted(long["task"].unique())
