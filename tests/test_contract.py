@@ -17,15 +17,21 @@ VARIANTS = {
     "quant": [{}, {"bits": 2}],
     "streaming": [{}, {"recent": 32}],
 }
-TOL = 2e-4  # fp32 log-prob agreement; sim uses a masked softmax over all entries, decode a gathered subset
+TOL = 1e-6  # float64 log-prob agreement: a disagreement left is a logic bug, not rounding
+FP32_TOL = 2e-4  # fp32 log-prob agreement for methods without value-dependent choices (~50x the rounding seen)
 
-# The real model is checked in float64. In fp32, sim (one masked forward) and decode (token steps) differ by
-# rounding (~3e-5 in log-probs), and a method's discrete choices (a score right at max - alpha, a value on a
-# quantisation bin edge) amplify that into different keep sets a few tokens later. In float64 the attention
-# is exact enough that the keep sets agree (the GGUF's packed linear layers still compute in fp32; the largest
-# log-prob difference measured is 1.7e-5), so a disagreement left is a logic bug, not noise. The tiny models are
-# still checked in fp32.
+# The contract runs in float64 on every model. In fp32, sim (one masked forward) and decode (token steps) differ
+# by rounding (~1e-6 on the tiny models, ~3e-5 on smollm2), and which side of a threshold a value lands on
+# differs between CPUs' kernels: a speculated score right at max - alpha, a K/V value on a quantisation bin
+# edge, an accumulated-attention tie. A method's discrete choices amplify that into different keep sets a few
+# tokens later (quant 2-bit on tiny-llama failed by 6e-3 on another machine in fp32). In float64 those
+# coincidences are ~1e9 times rarer, so the keep sets agree (the GGUF's packed linear layers still compute in
+# fp32; the largest log-prob difference measured on smollm2 is 1.7e-5).
 REAL_MODEL_DTYPE = "float64"
+TINY_DTYPE = "float64"
+REAL_TOL = 1e-4  # smollm2: its packed fp32 linear layers bound the agreement (1.7e-5 measured)
+# fp32 is still checked for the methods whose keep sets do not depend on values (so rounding cannot flip them)
+FP32_METHODS = ["full", "offload", "streaming"]
 
 
 def cases(models):
@@ -35,14 +41,14 @@ def cases(models):
                 yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
 
 
-def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=None):
+def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=None, tol=TOL):
     model, _ = load_model(model_name, dtype)
     ids = sample_ids(model_name, prompt + decoded)
     sim_method = method_from_conf(method_name, **overrides)
     sim = runtime.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
     dec_method = method_from_conf(method_name, **overrides)
     dec = runtime.decode_logits(model, dec_method, ids, dense_rows=prompt).log_softmax(-1)
-    torch.testing.assert_close(dec, sim, atol=TOL, rtol=0)
+    torch.testing.assert_close(dec, sim, atol=tol, rtol=0)
     sim_stats, dec_stats = sim_method.stats.summary(), dec_method.stats.summary()
     assert sim_stats["kv_fraction"] == pytest.approx(dec_stats["kv_fraction"], abs=1e-6)
     return sim_stats
@@ -50,10 +56,16 @@ def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=No
 
 @pytest.mark.parametrize("method_name,overrides,model_name", list(cases(TINY)))
 def test_sim_equals_decode_tiny(method_name, overrides, model_name):
-    check_contract(method_name, overrides, model_name, prompt=48, decoded=24)
+    check_contract(method_name, overrides, model_name, prompt=48, decoded=24, dtype=TINY_DTYPE)
+
+
+@pytest.mark.parametrize("model_name", TINY)
+@pytest.mark.parametrize("method_name", FP32_METHODS)
+def test_sim_equals_decode_tiny_fp32(method_name, model_name):
+    check_contract(method_name, {}, model_name, prompt=48, decoded=24, tol=FP32_TOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"])))
 def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
-    check_contract(method_name, overrides, model_name, prompt=256, decoded=64, dtype=REAL_MODEL_DTYPE)
+    check_contract(method_name, overrides, model_name, prompt=256, decoded=64, dtype=REAL_MODEL_DTYPE, tol=REAL_TOL)
