@@ -96,7 +96,7 @@ def check_field_types(method) -> None:
         value = getattr(method, f.name)
         accepted = set(kinds) | ({int} if float in kinds else set())
         if not any(type(value) is k for k in accepted):
-            allowed = " or ".join(dict.fromkeys(names[k] for k in kinds))
+            allowed = " or ".join(dict.fromkeys(names[k] for k in kinds if not (k is int and float in kinds)))
             raise ValueError(f"method.{f.name} must be {allowed}, got {value!r}")
 
 
