@@ -124,6 +124,20 @@ def test_a_bad_input_exits_non_zero_within_seconds_from_run_py(tmp_path):
 # ----------------------------------------------------------------------------------------------- non-finite
 
 
+def test_nan_logits_fail_lm_eval_scoring():
+    """lm-eval turns NaN log-likelihoods into a plausible accuracy (argmax of NaNs): the LM refuses them."""
+    import torch
+
+    from baselines.full import Full
+    from conftest import model_cfg
+    from experiments.lm_eval_lm import KVMethodLM
+
+    model, _ = adapter.load(model_cfg("tiny-llama", arch={"rope_theta": 0.0}))
+    lm = KVMethodLM(model, None, Full(), max_length=64)
+    with pytest.raises(FloatingPointError, match=r"lm_eval: non-finite logits in forward 1 \(batch \(1, 16\)\)"):
+        lm._model_call(torch.randint(0, 256, (1, 16)))
+
+
 def test_non_finite_metrics_write_no_row(tmp_path, monkeypatch):
     from experiments import ppl
 
