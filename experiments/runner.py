@@ -104,8 +104,12 @@ def check_positions(cfg: DictConfig, module) -> None:
     limit = max_positions(cfg.model)
     if needed is None or limit is None:
         return
-    option, n = needed(cfg.task)
-    if n > limit:
+    try:
+        option, n = needed(cfg.task)
+        too_long = n > limit
+    except TypeError:  # a length that is not a number: the task's own validate names it
+        return
+    if too_long:
         raise ValueError(f"{option} = {n} is beyond the max_position_embeddings of model {cfg.model.name} "
                          f"({limit}); use at most {limit} positions")
 
@@ -122,8 +126,8 @@ def validate(cfg: DictConfig):
     check_top_level(cfg)
     validate_model(cfg.model)
     module = task_module(cfg.task.name)
+    check_positions(cfg, module)  # before the task's validate: latency's imports the runtime (torch)
     module.validate(cfg.task, cfg.data_dir)
-    check_positions(cfg, module)
     # first heavy import: the method classes bring torch and transformers' cache classes
     method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
     from infinigen import adapter
