@@ -20,17 +20,7 @@ import torch
 # to import and are imported where they are used, so a bad config is refused before any of that.
 from transformers.cache_utils import Cache, DynamicLayer
 
-from infinigen.models import (  # noqa: F401  (validate_model, max_positions, ...: part of the adapter's interface)
-    DTYPES,
-    FAMILIES,
-    SMOLLM2_GGUF,
-    ModelUnavailable,
-    check_supported,
-    max_positions,
-    smollm2_dir,
-    source,
-    validate_model,
-)
+from infinigen.models import ModelUnavailable, check_supported, source, validate_model  # noqa: F401 (re-exported)
 
 ATTN_NAME = "kv_method"
 
