@@ -88,8 +88,9 @@ def validate_model(cfg) -> None:
     local = cfg.get("local_path")
     if local and not cfg.get("random_init"):
         path = Path(local).expanduser()
-        if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
-            raise ValueError(f"model.local_path={local!r} is neither a checkpoint folder nor a .gguf file")
+        if not ((path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf")):
+            raise ValueError(f"model.local_path={local!r} is neither a checkpoint folder (with a config.json) nor "
+                             "a .gguf file")
         config = local_config(cfg)
         if config is not None and config.get("model_type"):
             check_supported(config["model_type"])
