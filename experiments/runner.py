@@ -8,10 +8,12 @@ transformers' cache classes come in with the model and method checks, the rest o
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -75,14 +77,29 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def torch_cuda_build() -> bool | None:
+    """Whether the installed torch was built with CUDA, read from torch/version.py without importing torch (which
+    takes seconds); None when that file does not say (adapter.resolve_device then asks torch itself)."""
+    spec = importlib.util.find_spec("torch")
+    try:
+        text = Path(next(iter(spec.submodule_search_locations)), "version.py").read_text()
+    except (AttributeError, TypeError, StopIteration, OSError):
+        return None
+    found = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"][^'\"]*['\"])", text, re.MULTILINE)
+    return None if found is None else found.group(1) != "None"
+
+
 def check_top_level(cfg: DictConfig) -> None:
     """The options of conf/config.yaml itself (the model/method/task groups are checked by their owners)."""
     if not _is_int(cfg.get("seed")):
         raise ValueError(f"seed must be an integer, got {cfg.get('seed')!r}")
     if not isinstance(cfg.get("force"), bool):
         raise ValueError(f"force must be true or false, got {cfg.get('force')!r}")
-    if cfg.get("device") is not None and not isinstance(cfg.device, str):
-        raise ValueError(f"device must be null (auto), cpu, cuda, cuda:N or mps, got {cfg.device!r}")
+    device = cfg.get("device")
+    if device is not None and not (isinstance(device, str) and re.fullmatch(r"cpu|mps|cuda(:\d+)?", device)):
+        raise ValueError(f"device must be null (auto), cpu, cuda, cuda:N or mps, got {device!r}")
+    if isinstance(device, str) and device.startswith("cuda") and torch_cuda_build() is False:
+        raise ValueError(f"device={device!r} is not available: torch here is a CPU-only build; use device=cpu")
     if not isinstance(cfg.get("results_dir"), str) or not cfg.results_dir.strip():
         raise ValueError(f"results_dir must be a folder path, got {cfg.get('results_dir')!r}")
     if cfg.data_dir is not None and not isinstance(cfg.data_dir, str):
