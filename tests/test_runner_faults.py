@@ -96,6 +96,18 @@ def test_bad_input_is_refused_by_name_before_the_model_loads(overrides, message,
     assert not (tmp_path / "results").exists()  # nothing written, not even the store's folders
 
 
+def test_cuda_build_is_read_without_importing_torch():
+    import torch
+
+    assert runner.torch_cuda_build() is (torch.version.cuda is not None)
+
+
+@pytest.mark.skipif(runner.torch_cuda_build() is not False, reason="torch here has CUDA")
+def test_cuda_on_a_cpu_only_torch_is_refused_before_the_model_loads(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match="device='cuda' is not available: torch here is a CPU-only build"):
+        runner.run(cfg_of(["device=cuda"], tmp_path))
+
+
 def test_local_path_wins_over_the_bundled_gguf(tmp_path):
     smollm2 = compose("config", overrides=["model=smollm2-135m"]).model
     assert models.source(smollm2)[1] == {"gguf_file": models.SMOLLM2_GGUF}
