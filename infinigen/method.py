@@ -11,7 +11,10 @@ KV entries a decoded query row actually attended.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -80,11 +83,29 @@ class KVStats:
         return out
 
 
+def check_field_types(method) -> None:
+    """Each hyperparameter (dataclass field) against its annotation, so `method.budget=abc` is refused by name
+    before a method's own range checks compare it with numbers. float accepts int (the numeric tower); bool is
+    never a number; annotations other than int/float/str/bool/None are left to the method."""
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    hints = typing.get_type_hints(type(method))
+    for f in dataclasses.fields(method):
+        kinds = typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType) else (hints[f.name],)
+        if not f.init or not all(k in names for k in kinds):
+            continue
+        value = getattr(method, f.name)
+        accepted = set(kinds) | ({int} if float in kinds else set())
+        if not any(type(value) is k for k in accepted):
+            allowed = " or ".join(dict.fromkeys(names[k] for k in kinds if not (k is int and float in kinds)))
+            raise ValueError(f"method.{f.name} must be {allowed}, got {value!r}")
+
+
 @dataclass
 class KVMethod:
     """Dense attention over every cached entry: the reference every method is compared with."""
 
     def __post_init__(self):
+        check_field_types(self)
         self.stats = KVStats()
 
     # ------------------------------------------------------------------ life cycle

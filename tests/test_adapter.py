@@ -83,7 +83,7 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_hub_model_offline_fails_clearly(tmp_path, monkeypatch):
-    cfg = model_cfg("opt-13b", local_path=str(tmp_path / "missing"))
+    cfg = model_cfg("opt-13b")  # its hub id, offline (a bad local_path is refused earlier, by validate_model)
     with pytest.raises(adapter.ModelUnavailable, match="not available offline"):
         adapter.load(cfg)
 

@@ -1,0 +1,147 @@
+"""`KVMethodLM`: lm-eval's HF causal LM with every forward computed under a KV method (see experiments/lm_eval.py).
+
+A module of its own because importing lm-eval costs seconds: experiments/lm_eval.py validates a config without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+
+from experiments.lm_eval import PROTOCOLS
+from infinigen import adapter, runtime
+
+
+# ----------------------------------------------------------------------------------------------- the LM
+
+
+@register_model("kv_method")
+class KVMethodLM(HFLM):
+    """lm-eval's HF causal LM around an already loaded model + tokenizer, every forward through `method`."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        method,
+        protocol: str = "paper",
+        dense_rows: int = 0,
+        batch_size: int = 1,
+        max_length: int | None = None,
+    ):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if tokenizer is None:
+            if model.config.vocab_size < 257:
+                raise ValueError(f"byte_tokenizer needs a vocab of >= 257 ids, model has {model.config.vocab_size}")
+            tokenizer = adapter.byte_tokenizer()
+        super().__init__(
+            pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=int(batch_size), max_length=max_length
+        )
+        self.method = method
+        self.protocol = protocol
+        self.dense_rows = dense_rows
+        self._call_dense_rows = dense_rows  # what the next `_model_call` uses
+        self.counts = {"requests": 0, "forwards": 0, "rows": 0, "generated": 0}
+
+    def reset_counts(self) -> None:
+        self.counts = dict.fromkeys(self.counts, 0)
+
+    def input_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
+        """Length of the model input lm-eval's HFLM builds: (context + continuation)[-(max_length + 1):][:-1]."""
+        return min(len(context_enc) + len(continuation_enc), self.max_length + 1) - 1
+
+    def prefill_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
+        """Rows of that input holding context tokens (what the serving protocol prefills densely)."""
+        return self.input_rows(context_enc, continuation_enc) - (len(continuation_enc) - 1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """HFLM's scoring, run separately on each group of requests with the same input length (and, for serving,
+        the same context length): every batch is then pad-free, so neither a method that reads the sequence length
+        (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one int."""
+        self.counts["requests"] += len(requests)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (_, context_enc, continuation_enc) in enumerate(requests):
+            dense = self.prefill_rows(context_enc, continuation_enc) if self.protocol == "serving" else self.dense_rows
+            groups.setdefault((self.input_rows(context_enc, continuation_enc), dense), []).append(i)
+        out: list[Any] = [None] * len(requests)
+        with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:
+            for (_, dense), index in groups.items():
+                self._call_dense_rows = dense
+                scored = super()._loglikelihood_tokens(
+                    [requests[i] for i in index], disable_tqdm=True, override_bs=override_bs
+                )
+                for i, answer in zip(index, scored, strict=True):
+                    out[i] = answer
+                bar.update(len(index))
+        return out
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        if attn_mask is not None or labels is not None:
+            raise ValueError("KVMethodLM is a causal LM: no encoder mask / labels")
+        self.counts["forwards"] += 1
+        self.counts["rows"] += inps.numel()
+        logits = runtime.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
+        if not torch.isfinite(logits).all():  # lm-eval would turn NaN log-likelihoods into a plausible accuracy
+            raise FloatingPointError(
+                f"lm_eval: non-finite logits in forward {self.counts['forwards']} (batch {tuple(inps.shape)}); "
+                "no row written (check model.arch, model.dtype, the method)"
+            )
+        return logits
+
+    # ------------------------------------------------------------------ generation (decode mode)
+    def _stop_ids(self) -> set[int]:
+        """Token ids that end a generation, as `model.generate` would (generation config) plus the tokenizer's eos."""
+        ids = {self.tokenizer.eos_token_id}
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        return {i for i in ids if i is not None}
+
+    @torch.inference_mode()
+    def greedy(self, ids: torch.Tensor, new_tokens: int, stop: list[str]) -> list[int]:
+        """Greedy continuation of ids (1, t) through the method in decode mode: dense prefill, then one token per
+        step; ends after new_tokens, at an eos id, or once the decoded text contains a stop string."""
+        stop_ids, stop = self._stop_ids(), [s for s in stop if s]
+        cache = runtime.new_cache(self.model, self.method)
+        t = ids.shape[1]
+        out: list[int] = []
+        with adapter.install(self.model, self.method, mode="decode", dense_rows=t, cache=cache, max_len=t + new_tokens):
+            logits = runtime.prefill(self.model, ids, cache)
+            for pos in range(t, t + new_tokens):
+                out.append(int(logits.argmax(-1)))
+                if out[-1] in stop_ids or len(out) == new_tokens:
+                    break
+                if stop and any(s in self.tok_decode(out) for s in stop):
+                    break
+                logits = runtime.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
+        self.counts["generated"] += len(out)
+        return out
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        """Replaces HFLM's `model.generate` (which would bypass the method). context (b, t) is left-padded;
+        returns (b, t + new) with the generated ids after each row's padded context, right-padded."""
+        if generation_kwargs.get("do_sample"):
+            raise NotImplementedError("KVMethodLM generates greedily only (do_sample=false)")
+        mask = generation_kwargs.pop("attention_mask", None)
+        new_tokens = max_length - context.shape[1]
+        rows = []
+        for i in range(context.shape[0]):
+            ids = context[i] if mask is None else context[i][mask[i].bool()]
+            rows.append(self.greedy(ids[None], new_tokens, stop))
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        generated = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=context.device)
+        return torch.cat([context, generated], dim=1)
+
+    def get_model_info(self) -> dict:
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(self.model.dtype),
+            "kv_method": type(self.method).__name__,
+            "protocol": self.protocol,
+        }
