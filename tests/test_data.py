@@ -152,6 +152,32 @@ def test_hub_specs_parse_and_identify_without_the_network():
     assert data.identity("ptb_test", None)["split"] == "test"
 
 
+@needs_data
+def test_calibration_reads_the_same_corpus_forms(tmp_path):
+    """InfiniGen's calibration text: file:PATH of PG-19's book = the named pg19; the skew cache is keyed by the text's
+    content (same spec, edited file: recalibrated); a bad file fails when the method is built (before any load)."""
+    from hydra.errors import InstantiationException
+
+    from infinigen import runtime
+
+    model, _ = load_model("tiny-llama")
+    book = data.resolve("pg19", DATA_DIR).path
+    named = method_from_conf("infinigen", cache_dir=str(tmp_path / "skew"))
+    assert torch.equal(named._calibration_ids(model),
+                       method_from_conf("infinigen", calibration=f"file:{book}")._calibration_ids(model))
+    text = write(tmp_path / "calib.txt", "a calibration text of my own. " * 40)
+    ids = torch.arange(32)[None]
+    runtime.sim_logits(model, method_from_conf("infinigen", calibration=f"file:{text}", cache_dir=str(tmp_path / "skew")),
+                       ids)
+    write(text, "another calibration text, edited. " * 40)
+    runtime.sim_logits(model, method_from_conf("infinigen", calibration=f"file:{text}", cache_dir=str(tmp_path / "skew")),
+                       ids)
+    assert len(list((tmp_path / "skew").glob("skew-*.pt"))) == 2
+    write(text, b"\xff\xfe binary")
+    with pytest.raises(InstantiationException, match=r"not UTF-8 text: byte 0xff at byte offset 0"):
+        method_from_conf("infinigen", calibration=f"file:{text}")
+
+
 # ----------------------------------------------------------------------------------------------- identity
 
 
