@@ -236,7 +236,7 @@ dataset_kwargs:
 validation_split: validation
 output_type: multiple_choice
 doc_to_text: "{{{{premise[:-1]}}}} {{{{'because' if question == 'cause' else 'therefore'}}}}"
-doc_to_choice: "{{{{[choice1[0]|lower + choice1[1:], choice2[0]|lower + choice2[1:]]}}}}"
+doc_to_choice: "{{{{[' ' + choice1[0]|lower + choice1[1:], ' ' + choice2[0]|lower + choice2[1:]]}}}}"
 doc_to_target: label
 metric_list:
   - metric: acc
@@ -326,3 +326,25 @@ def test_include_path_data_is_in_the_hash_and_the_row(tmp_path, no_model_load):
     cfg = cfg_of(["task=lm_eval", "task.tasks=[copa]"], tmp_path)
     (entry,) = data.data_identity(cfg)["files"]
     assert entry["path"].endswith("copa/validation.jsonl") and entry["sha256"].startswith("fa61467c")
+
+
+@needs_data
+def test_include_path_task_renders_the_requests_of_the_twin_it_copies(tmp_path):
+    """TASK_YAML over the shared COPA file is lm-eval's copa prompt in Jinja: one TaskManager (ours + include_path)
+    builds both, and their loglikelihood requests are identical (0 and 2 shots)."""
+    from experiments import lm_eval as le
+
+    include = task_dir(tmp_path, data_name=str(Path(DATA_DIR) / "copa" / "validation.jsonl"))
+    (mine, twin), tm = le.lm_eval_setup(["my_copa", "copa"], DATA_DIR, str(include))
+    assert twin == "copa_local"
+    tasks = tm.load([mine, twin])["tasks"]
+    requests = {}
+    for name in (mine, twin):
+        task = tasks[name]
+        for shots in (0, 2):
+            task.set_config("num_fewshot", shots)
+            task.set_fewshot_seed(1234)
+            task.build_all_requests(limit=5)
+            requests[name, shots] = [inst.arguments for inst in task.instances]
+    for shots in (0, 2):
+        assert len(requests[mine, shots]) == 10 and requests[mine, shots] == requests[twin, shots]
