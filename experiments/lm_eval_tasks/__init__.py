@@ -222,14 +222,18 @@ def _yaml_names(cfg: dict) -> list[str]:
     return names + ([tags] if isinstance(tags, str) else [t for t in tags if isinstance(t, str)])
 
 
-def _local_data_files(cfg: dict) -> list[Path]:
-    """The plain local paths in a YAML's dataset_kwargs.data_files (URLs and glob patterns are left to datasets),
-    resolved as datasets does: from the current directory."""
+def _plain_data_files(cfg: dict) -> list[str]:
+    """The plain local paths in a YAML's dataset_kwargs.data_files, as written (URLs and glob patterns are left to
+    datasets)."""
     spec = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if not spec or not isinstance(spec, (str, list, dict)):
         return []
-    return [Path(p).expanduser().resolve() for p in _flat_paths(spec)
-            if isinstance(p, str) and "://" not in p and not any(c in p for c in "*?[")]
+    return [p for p in _flat_paths(spec) if isinstance(p, str) and "://" not in p and not any(c in p for c in "*?[")]
+
+
+def _local_data_files(cfg: dict) -> list[Path]:
+    """Those paths resolved as datasets resolves them: from the current directory."""
+    return [Path(p).expanduser().resolve() for p in _plain_data_files(cfg)]
 
 
 def scan_include_path(include_path: Any) -> dict[str, Any]:
@@ -262,14 +266,14 @@ def check_include_path(include_path: Any, names: list[str]) -> dict[str, Any]:
         path = scan["tasks"].get(name)
         if path is None:
             continue
-        spec = (_load_task_yaml(path).get("dataset_kwargs") or {}).get("data_files")
-        for data in _local_data_files({"dataset_kwargs": {"data_files": spec}}):
+        for raw in _plain_data_files(_load_task_yaml(path)):
+            data = Path(raw).expanduser().resolve()
             if not data.is_file():
-                raise ValueError(
-                    f"lm-eval task {name!r} ({path}) reads the data file {data}, which does not exist; datasets "
-                    f"resolves a relative data_files path from the current directory ({Path.cwd()}), not from the "
-                    "YAML's folder: write an absolute path"
-                )
+                hint = "" if Path(raw).expanduser().is_absolute() else (
+                    f"; datasets resolves a relative data_files path from the current directory ({Path.cwd()}), "
+                    "not from the YAML's folder: write an absolute path")
+                raise ValueError(f"lm-eval task {name!r} ({path}) reads the data file {data}, which does not exist"
+                                 + hint)
     return scan
 
 
