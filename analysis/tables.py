@@ -82,22 +82,30 @@ def base(rows: pd.DataFrame) -> dict[str, pd.Series]:
     return {"model": rows["model"], "method": rows["method"], "params": key_params(rows)}
 
 
+def data_id(rows: pd.DataFrame) -> pd.Series:
+    """The first 8 hex digits of the sha256 of the data a row read (rows stored before it was recorded: empty), so
+    one dataset name over two different texts shows as two datas."""
+    return column(rows, "data.sha256").map(lambda h: h[:8] if isinstance(h, str) else None)
+
+
 def ppl_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = df[df["task"] == "ppl"]
     out = pd.DataFrame(base(rows) | {
         "dataset": column(rows, "task_params.dataset"),
+        "data": data_id(rows),
         "seq_len": metric(rows, "seq_len").astype("Int64"),
         "windows": metric(rows, "windows").astype("Int64"),
         "ppl": metric(rows, "ppl"),
         **kv_columns(rows),
     })
-    return ordered(out, ["dataset", "seq_len", "method", "params"])
+    return ordered(out, ["dataset", "data", "seq_len", "method", "params"])
 
 
 def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = df[df["task"] == "lm_eval"]
     out = pd.DataFrame(base(rows) | {
         "task": column(rows, "metrics.task"),
+        "data": data_id(rows),
         "shots": metric(rows, "num_fewshot").astype("Int64"),
         "protocol": column(rows, "metrics.protocol"),
         "limit": metric(rows, "limit").astype("Int64"),
@@ -165,7 +173,7 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
 
 BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "accuracy": accuracy_table, "latency": latency_table,
             "eviction": eviction_table}
-TEXT = {"model", "method", "params", "dataset", "task", "protocol", "device"}
+TEXT = {"model", "method", "params", "dataset", "data", "task", "protocol", "device"}
 
 
 def table(df: pd.DataFrame, name: str) -> pd.DataFrame:

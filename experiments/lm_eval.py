@@ -45,7 +45,7 @@ from typing import Any
 
 from omegaconf import ListConfig, OmegaConf
 
-from experiments.lm_eval_tasks import LOCAL_TASKS, resolve_task_names, task_manager
+from experiments.lm_eval_tasks import LOCAL_TASKS, check_include_path, resolve_task_names, task_manager
 
 PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
@@ -64,8 +64,8 @@ def __getattr__(name: str):
 
 
 @lru_cache(maxsize=8)
-def _cached_task_manager(data_dir: str | None, local_tasks: tuple[str, ...]):
-    return task_manager(data_dir, tasks=list(local_tasks) if data_dir else None)
+def _cached_task_manager(data_dir: str | None, local_tasks: tuple[str, ...], include: tuple[str, ...] = ()):
+    return task_manager(data_dir, tasks=list(local_tasks) if data_dir else None, include_path=list(include))
 
 
 def tasks_of(task_cfg) -> list[str]:
@@ -82,22 +82,28 @@ def tasks_of(task_cfg) -> list[str]:
     return list(names)
 
 
-def lm_eval_setup(names: list[str], data_dir) -> tuple[list[str], Any]:
-    """Resolved task names (copa -> copa_local when data_dir is set) and a (cached) TaskManager that knows them.
-    Raises ValueError for a missing data file or an unknown task name."""
+def lm_eval_setup(names: list[str], data_dir, include_path=None) -> tuple[list[str], Any]:
+    """Resolved task names (copa -> copa_local when data_dir is set, unless include_path defines copa) and a
+    (cached) TaskManager that knows them and the include_path tasks. Raises ValueError for a missing data file, a
+    bad include_path or an unknown task name."""
     data_dir = str(Path(data_dir).expanduser().resolve()) if data_dir else None
-    resolved = resolve_task_names(names, data_dir)
+    scan = check_include_path(include_path, names) if include_path is not None else None
+    own = scan["tasks"] if scan else {}
+    include = tuple(str(d) for d in scan["dirs"]) if scan else ()
+    resolved = resolve_task_names(names, data_dir, own=own)
     try:  # one manager per data dir when it holds every local task's files (a build takes ~10 s)
-        tm = _cached_task_manager(data_dir, tuple(sorted(LOCAL_TASKS.values())))
+        tm = _cached_task_manager(data_dir, tuple(sorted(LOCAL_TASKS.values())), include)
     except ValueError:  # some local task's files are missing (caught before anything is built): only ours
-        tm = _cached_task_manager(data_dir, tuple(sorted({n for n in resolved if n in LOCAL_TASKS.values()})))
+        tm = _cached_task_manager(data_dir, tuple(sorted({n for n in resolved if n in LOCAL_TASKS.values()})), include)
     known = set(tm.all_tasks)
     for name, asked in zip(resolved, names, strict=True):
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=5)
+            mine = f"; task.include_path defines {sorted(own)}" if scan else ""
+            broken = scan and {str(p): e for p, e in scan["unreadable"].items()}
             raise ValueError(
-                f"unknown lm-eval task {asked!r}" + (f"; close matches: {close}" if close else "")
-                + " (see `lm_eval ls tasks`)"
+                f"unknown lm-eval task {asked!r}" + (f"; close matches: {close}" if close else "") + mine
+                + (f"; these YAMLs could not be read: {broken}" if broken else "") + " (see `lm_eval ls tasks`)"
             )
     return resolved, tm
 
@@ -129,10 +135,12 @@ def validate(task, data_dir) -> None:
         )
     if not _is_int(task.get("fewshot_seed")):
         raise ValueError(f"task.fewshot_seed must be an integer, got {task.get('fewshot_seed')!r}")
-    names = tasks_of(task)
-    resolved = resolve_task_names(names, str(Path(data_dir).expanduser().resolve()) if data_dir else None)
-    if any(name not in LOCAL_TASKS.values() for name in resolved):
-        lm_eval_setup(names, data_dir)  # only lm-eval's task index (built in 10-30 s) knows other names
+    names, include_path = tasks_of(task), task.get("include_path")
+    scan = check_include_path(include_path, names) if include_path is not None else None
+    own = scan["tasks"] if scan else {}
+    resolved = resolve_task_names(names, str(Path(data_dir).expanduser().resolve()) if data_dir else None, own=own)
+    if any(name not in LOCAL_TASKS.values() and name not in own for name in resolved):
+        lm_eval_setup(names, data_dir, include_path)  # only lm-eval's task index (built in 10-30 s) knows them
 
 
 def _finite(x):
@@ -204,7 +212,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> list[dict]:
     from experiments.lm_eval_lm import KVMethodLM
 
     names = tasks_of(task)
-    resolved, tm = lm_eval_setup(names, data_dir)
+    resolved, tm = lm_eval_setup(names, data_dir, task.get("include_path"))
     lm = KVMethodLM(model, tokenizer, method, protocol=task.protocol, dense_rows=task.dense_rows,
                     batch_size=task.batch_size)
     rows = []

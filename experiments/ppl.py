@@ -13,9 +13,9 @@ CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig.
 
 
 def validate(task, data_dir) -> None:
-    check_dataset(task.dataset, data_dir)
     if not isinstance(task.seq_len, int) or task.seq_len <= 1:
         raise ValueError(f"task.seq_len must be an integer > 1, got {task.seq_len!r}")
+    check_dataset(task.dataset, data_dir, min_tokens=task.seq_len)  # a byte-count bound: no tokenizer yet
     stride = task.stride if task.stride is not None else task.seq_len
     if not isinstance(stride, int) or not 0 < stride <= task.seq_len:
         raise ValueError(f"task.stride must be an integer in 1..seq_len ({task.seq_len}), got {task.stride!r}")
@@ -94,8 +94,9 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     ids = encode(tokenizer, text, model.config.vocab_size)
     stride = task.stride or task.seq_len
     spans = windows(ids, task.seq_len, stride, task.max_windows)
-    if not spans:
-        raise ValueError(f"{task.dataset} has {ids.numel()} tokens, fewer than seq_len={task.seq_len}")
+    if not spans:  # the exact check, before any forward (validate could only bound the count by the bytes)
+        raise ValueError(f"corpus {task.dataset!r} has {ids.numel()} tokens after tokenisation, fewer than one window "
+                         f"(seq_len={task.seq_len}): use a longer text or a smaller task.seq_len")
     nll_sum, n_tok = 0.0, 0
     chunk_sum = torch.zeros(math.ceil(task.seq_len / CHUNK), dtype=torch.float64)
     chunk_n = torch.zeros_like(chunk_sum)

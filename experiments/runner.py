@@ -22,9 +22,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
+from experiments import data
 
-# config keys that do not change what is computed (excluded from the config hash)
+# config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
+# the content identity of the data read from them (experiments.data.data_identity)
 NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress")
+NON_SEMANTIC_METHOD = ("calib_data_dir",)
 
 
 def task_module(name: str):
@@ -37,7 +40,12 @@ def task_module(name: str):
 
 
 def config_hash(cfg: DictConfig) -> str:
+    """sha256 of what a run computes: the config without locations and bookkeeping, plus the content identity of
+    its data (sha256 of each file read, or the hub dataset), so another data folder with other text is another
+    run, and the same data moved elsewhere is the same one."""
     semantic = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NON_SEMANTIC}
+    semantic["method"] = {k: v for k, v in semantic["method"].items() if k not in NON_SEMANTIC_METHOD}
+    semantic["data"] = data.without_paths(data.data_identity(cfg))
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -222,6 +230,7 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
             "task": cfg.task.name,
             "method_params": method_params(cfg),
             "task_params": config["task"],
+            "data": data.data_identity(cfg),
             "metrics": metrics,
             "meta": meta,
             "config": config,

@@ -39,7 +39,7 @@ class InfiniGen(SelectiveAttention):
     skew: bool = True
     partial_select: str = "q"  # "q": top columns of |Q|; "qk": union of top columns of |Q| and |K|
     speculate_from: str = "previous"  # "current" = ablation: speculate with the layer's own input
-    calibration: str = "pg19"
+    calibration: str = "pg19"  # a corpus spec (experiments/data.py): a name, file:PATH or hf:PATH/CONFIG/SPLIT/COLUMN
     calib_tokens: int = 2048
     calib_data_dir: str | None = None
     cache_dir: str | None = ".cache/infinigen"
@@ -63,11 +63,13 @@ class InfiniGen(SelectiveAttention):
 
     # ------------------------------------------------------------------ calibration
     def bind(self, session: Session) -> None:
+        from experiments.data import identity, without_paths
+
         model = session.model
-        settings = json.dumps(
-            {k: asdict(self)[k] for k in ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")},
-            sort_keys=True,
-        )
+        settings = {k: asdict(self)[k] for k in ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")}
+        # the calibration text's content (not its folder) keys the skew cache: other text, other rotations
+        settings["calibration_data"] = without_paths(identity(self.calibration, self.calib_data_dir))
+        settings = json.dumps(settings, sort_keys=True)
         self.skewing = calibrate(
             model, lambda: self._calibration_ids(model), skew=self.skew, partial_ratio=self.partial_ratio,
             partial_select=self.partial_select, cache_dir=self.cache_dir, settings=settings,
