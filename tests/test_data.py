@@ -136,7 +136,9 @@ def test_corpus_shorter_than_a_window_after_tokenisation_fails_before_any_forwar
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward ran on a corpus shorter than one window")
 
-    monkeypatch.setattr(ppl, "sim_logits", no_forward)
+    from infinigen import runtime
+
+    monkeypatch.setattr(runtime, "sim_logits", no_forward)  # ppl imports it when it runs
     model, _ = load_model("tiny-llama")
     with pytest.raises(ValueError, match=r"has 62 tokens after tokenisation, fewer than one window \(seq_len=64\)"):
         ppl.run(model, None, method_from_conf("full"), task, None)
