@@ -66,7 +66,8 @@ class InfiniGen(SelectiveAttention):
         from experiments.data import identity, without_paths
 
         model = session.model
-        settings = {k: asdict(self)[k] for k in ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")}
+        keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")
+        settings = {k: asdict(self)[k] for k in keys}
         # the calibration text's content (not its folder) keys the skew cache: other text, other rotations
         settings["calibration_data"] = without_paths(identity(self.calibration, self.calib_data_dir))
         settings = json.dumps(settings, sort_keys=True)

@@ -169,11 +169,10 @@ def test_calibration_reads_the_same_corpus_forms(tmp_path):
                        method_from_conf("infinigen", calibration=f"file:{book}")._calibration_ids(model))
     text = write(tmp_path / "calib.txt", "a calibration text of my own. " * 40)
     ids = torch.arange(32)[None]
-    runtime.sim_logits(model, method_from_conf("infinigen", calibration=f"file:{text}", cache_dir=str(tmp_path / "skew")),
-                       ids)
+    mine = {"calibration": f"file:{text}", "cache_dir": str(tmp_path / "skew")}
+    runtime.sim_logits(model, method_from_conf("infinigen", **mine), ids)
     write(text, "another calibration text, edited. " * 40)
-    runtime.sim_logits(model, method_from_conf("infinigen", calibration=f"file:{text}", cache_dir=str(tmp_path / "skew")),
-                       ids)
+    runtime.sim_logits(model, method_from_conf("infinigen", **mine), ids)
     assert len(list((tmp_path / "skew").glob("skew-*.pt"))) == 2
     write(text, b"\xff\xfe binary")
     with pytest.raises(InstantiationException, match=r"not UTF-8 text: byte 0xff at byte offset 0"):
