@@ -28,8 +28,8 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from experiments.data import corpus_text  # noqa: E402
-from experiments.ppl import encode  # noqa: E402
 from infinigen import adapter, runtime  # noqa: E402
+from infinigen.adapter import encode  # noqa: E402
 
 METHOD_DIR = ROOT / "conf" / "method"
 

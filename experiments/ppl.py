@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.data import check_dataset, corpus_text
+from infinigen.adapter import encode
 from infinigen.runtime import cache_bytes, sim_logits
 
 CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig. 12)
@@ -31,13 +32,6 @@ def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | Non
     """(start, first scored position) of each window; overlapping windows score only their new tokens."""
     starts = list(range(0, ids.numel() - seq_len + 1, stride))[: max_windows or None]
     return [(s, 0 if i == 0 else seq_len - stride) for i, s in enumerate(starts)]
-
-
-def encode(tokenizer, text: str, vocab_size: int) -> torch.Tensor:
-    """Token ids; random-init models have no tokenizer and read the UTF-8 bytes (mod vocab) instead."""
-    if tokenizer is None:
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
-    return tokenizer(text, return_tensors="pt").input_ids[0]
 
 
 def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:

@@ -60,9 +60,20 @@ def versions() -> dict:
     return out
 
 
-def method_params(cfg: DictConfig) -> dict:
-    params = OmegaConf.to_container(cfg.method, resolve=True)
-    return {"name": params.pop("_target_").rsplit(".", 1)[-1].lower(), **params}
+def method_name(cfg: DictConfig) -> str:
+    """The conf/method choice the run was composed with (what rows are called); without Hydra's runtime (e.g. a
+    config composed by hand), the class name, lowercased."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.method
+    except (ImportError, ValueError, AttributeError):
+        return cfg.method._target_.rsplit(".", 1)[-1].lower()
+
+
+def method_params(cfg: DictConfig, method) -> dict:
+    params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "_target_"}
+    return {"name": method_name(cfg), **params, "size_params": list(method.size_params)}
 
 
 def validate(cfg: DictConfig):
@@ -107,9 +118,9 @@ def run(cfg: DictConfig) -> dict | None:
         {
             "config_hash": digest,
             "model": cfg.model.name,
-            "method": method_params(cfg)["name"],
+            "method": method_name(cfg),
             "task": cfg.task.name,
-            "method_params": method_params(cfg),
+            "method_params": method_params(cfg, method),
             "task_params": config["task"],
             "metrics": metrics,
             "meta": meta,

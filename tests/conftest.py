@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data")
 TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+# Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
+VARIANTS = {
+    "infinigen": [{}, {"capacity": 0.8}],
+    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
+    "quant": [{}, {"bits": 2}],
+    "streaming": [{}, {"recent": 32}],
+}
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -7,16 +7,9 @@ tokens followed by one-token decode steps through the method's cache, and report
 import pytest
 import torch
 
-from conftest import METHODS, TINY, load_model, method_from_conf, sample_ids
+from conftest import METHODS, TINY, VARIANTS, load_model, method_from_conf, sample_ids
 from infinigen import runtime
 
-# Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
-VARIANTS = {
-    "infinigen": [{}, {"capacity": 0.8}],
-    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
-    "quant": [{}, {"bits": 2}],
-    "streaming": [{}, {"recent": 32}],
-}
 TOL = 2e-4  # fp32 log-prob agreement; sim uses a masked softmax over all entries, decode a gathered subset
 
 # The real model is checked in float64. In fp32, sim (one masked forward) and decode (token steps) differ by
