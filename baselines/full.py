@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
-from infinigen.method import KVMethod
+from infinigen.contract import KVMethod
 
 
 @dataclass

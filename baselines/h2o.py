@@ -11,7 +11,7 @@ import torch
 
 from baselines.streaming import check_budget, index_of, token_count
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod, attend, logits
+from infinigen.contract import KVMethod, attend, logits
 
 REDUCE = {
     "sum": lambda p: p.sum(2),  # total attention mass the entry received from its query-head group

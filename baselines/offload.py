@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from infinigen.method import KVMethod
+from infinigen.contract import KVMethod
 
 
 @dataclass

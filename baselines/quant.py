@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod, attend
+from infinigen.contract import KVMethod, attend
 
 BITS = (8, 4, 2, 1)
 PARAM_DTYPE = torch.float16  # per-group scale and zero-point, as stored

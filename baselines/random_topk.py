@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from infinigen.method import GatheringMethod
+from infinigen.contract import GatheringMethod
 
 
 @dataclass

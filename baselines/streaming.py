@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod
+from infinigen.contract import KVMethod
 
 
 def check_budget(name: str, value) -> None:

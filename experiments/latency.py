@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.data import check_dataset, corpus_text
+from infinigen.corpora import check_dataset, corpus_text
 from infinigen import adapter
 from infinigen.offload.runtime import RUNTIMES, OffloadRuntime
 

@@ -3,7 +3,7 @@
 lm-eval's HF backend scores a (context, continuation) request with one plain dense forward (see lm-eval issues
 #3298 / #2506: a KV-cache policy installed only for `generate()` never sees those forwards). `KVMethodLM` keeps
 lm-eval's request handling (tokenisation, truncation, batching, the one-token logits cache, metrics) but replaces
-the model call by `infinigen.runtime.sim_logits`, so every log-likelihood comes out of the method.
+the model call by `infinigen.modes.sim_logits`, so every log-likelihood comes out of the method.
 
 Two protocols, recorded in every row:
 
@@ -50,7 +50,7 @@ from omegaconf import ListConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments.lm_eval_tasks import LOCAL_TASKS, resolve_task_names, task_manager
-from infinigen import adapter, runtime
+from infinigen import adapter, modes
 
 PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
@@ -125,7 +125,7 @@ class KVMethodLM(HFLM):
             raise ValueError("KVMethodLM is a causal LM: no encoder mask / labels")
         self.counts["forwards"] += 1
         self.counts["rows"] += inps.numel()
-        return runtime.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
+        return modes.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
 
     # ------------------------------------------------------------------ generation (decode mode)
     def _stop_ids(self) -> set[int]:
@@ -141,18 +141,18 @@ class KVMethodLM(HFLM):
         """Greedy continuation of ids (1, t) through the method in decode mode: dense prefill, then one token per
         step; ends after new_tokens, at an eos id, or once the decoded text contains a stop string."""
         stop_ids, stop = self._stop_ids(), [s for s in stop if s]
-        cache = runtime.new_cache(self.model, self.method)
+        cache = modes.new_cache(self.model, self.method)
         t = ids.shape[1]
         out: list[int] = []
         with adapter.install(self.model, self.method, mode="decode", dense_rows=t, cache=cache, max_len=t + new_tokens):
-            logits = runtime.prefill(self.model, ids, cache)
+            logits = modes.prefill(self.model, ids, cache)
             for pos in range(t, t + new_tokens):
                 out.append(int(logits.argmax(-1)))
                 if out[-1] in stop_ids or len(out) == new_tokens:
                     break
                 if stop and any(s in self.tok_decode(out) for s in stop):
                     break
-                logits = runtime.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
+                logits = modes.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
         self.counts["generated"] += len(out)
         return out
 

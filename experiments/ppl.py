@@ -8,9 +8,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from experiments.data import check_dataset, corpus_text
+from infinigen.corpora import check_dataset, corpus_text
 from infinigen.adapter import encode
-from infinigen.runtime import cache_bytes, sim_logits
+from infinigen.modes import cache_bytes, sim_logits
 
 CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig. 12)
 

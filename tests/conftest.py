@@ -49,7 +49,7 @@ def random_ids(n: int, vocab: int, batch: int = 1, seed: int = 0) -> torch.Tenso
 
 
 def text_ids(tokenizer, n: int) -> torch.Tensor:
-    from experiments.data import corpus_text
+    from infinigen.corpora import corpus_text
 
     text = corpus_text("wikitext2", DATA_DIR)[:20000]
     return tokenizer(text, return_tensors="pt").input_ids[:, :n]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import METHODS, TINY, VARIANTS, load_model, method_from_conf, sample_ids
-from infinigen import runtime
+from infinigen import modes
 
 TOL = 2e-4  # fp32 log-prob agreement; sim uses a masked softmax over all entries, decode a gathered subset
 
@@ -32,9 +32,9 @@ def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=No
     model, _ = load_model(model_name, dtype)
     ids = sample_ids(model_name, prompt + decoded)
     sim_method = method_from_conf(method_name, **overrides)
-    sim = runtime.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
+    sim = modes.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
     dec_method = method_from_conf(method_name, **overrides)
-    dec = runtime.decode_logits(model, dec_method, ids, dense_rows=prompt).log_softmax(-1)
+    dec = modes.decode_logits(model, dec_method, ids, dense_rows=prompt).log_softmax(-1)
     torch.testing.assert_close(dec, sim, atol=TOL, rtol=0)
     sim_stats, dec_stats = sim_method.stats.summary(), dec_method.stats.summary()
     assert sim_stats["kv_fraction"] == pytest.approx(dec_stats["kv_fraction"], abs=1e-6)

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, METHODS, ROOT, VARIANTS, load_model, method_from_conf, random_ids, sample_ids
-from infinigen import runtime
+from infinigen import modes
 from infinigen.offload.link import Link
 from infinigen.offload.runtime import OffloadRuntime, run_kind, teacher_forced_logits
 from infinigen.offload.timing import Timer
@@ -45,7 +45,7 @@ def check_against_sim(model_name, method, overrides, kwargs, prompt, decoded, dt
     ids = sample_ids(model_name, prompt + decoded) if batch == 1 else random_ids(prompt + decoded,
                                                                                  model.config.vocab_size, batch)
     sim_m = method_from_conf(method, **overrides)
-    sim = runtime.sim_logits(model, sim_m, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
+    sim = modes.sim_logits(model, sim_m, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
     dec_m = method_from_conf(method, **overrides)
     dec, report = teacher_forced_logits(model, dec_m, ids, prompt, **kwargs)
     diff = float((dec.log_softmax(-1) - sim).abs().max())
@@ -87,7 +87,7 @@ def test_speculation_at_attention_end_runs_the_same_selection():
     """A method whose selection for layer i is known once layer i-1's attention has been added to the residual
     stream: the runtime starts its gather at that point (after layer i-1's attention, before its MLP), and the
     run equals the one speculating at the attention's start."""
-    from infinigen.infinigen import InfiniGen
+    from infinigen.infinigen_method.infinigen import InfiniGen
 
     class AtAttentionEnd(InfiniGen):
         speculation_point: ClassVar[str] = "attention_end"
@@ -154,7 +154,7 @@ def test_infinigen_moves_exactly_the_selected_rows(model_name):
     b = 2
     ids = random_ids(PROMPT + DECODED, model.config.vocab_size, batch=b, seed=1)
     plain = method_from_conf("infinigen")
-    runtime.decode_logits(model, plain, ids, dense_rows=PROMPT)
+    modes.decode_logits(model, plain, ids, dense_rows=PROMPT)
     selected = plain.stats.sums["selected"]  # layer -> sum over steps and batch rows of the tokens selected
     _, report = teacher_forced_logits(model, method_from_conf("infinigen"), ids, PROMPT)
     moved = {}
@@ -273,7 +273,7 @@ def test_runtime_equals_decode_mode_smollm2(method):
     prompt, decoded = 256, 32
     ids = sample_ids("smollm2-135m", prompt + decoded)
     plain_m, ours_m = method_from_conf(method), method_from_conf(method)
-    plain = runtime.decode_logits(model, plain_m, ids, dense_rows=prompt).log_softmax(-1)
+    plain = modes.decode_logits(model, plain_m, ids, dense_rows=prompt).log_softmax(-1)
     ours, _ = teacher_forced_logits(model, ours_m, ids, prompt)
     torch.testing.assert_close(ours.log_softmax(-1), plain, atol=TOL, rtol=0)
     assert ours_m.stats.summary()["kv_fraction"] == pytest.approx(plain_m.stats.summary()["kv_fraction"], abs=1e-6)

@@ -1,4 +1,4 @@
-"""How one layer's decode step runs in the offloading runtime, per offload kind (infinigen/method.py
+"""How one layer's decode step runs in the offloading runtime, per offload kind (infinigen/contract.py
 OFFLOAD_KINDS). Every executor calls the method's own decode-step code; what differs is where the KV lives and
 when it crosses the link:
 
@@ -86,7 +86,7 @@ class PoolExecutor(Executor):
         codec = self.method.codec(self.layer, dtype) or FpCodec(self.layer.head_dim, dtype)
         slots = min(max_len, self.method.max_held(max_len))
         bh = batch * self.layer.num_kv_heads
-        self.slots = self.staging_slots(codec, slots, bh, max_len)
+        self.landing = self.staging_slots(codec, slots, bh, max_len)
         return PoolStore(HostPool(self.link, slots, bh, codec.width, codec.dtype), codec, evicting=slots < max_len)
 
     def staging_slots(self, codec, slots: int, bh: int, max_len: int):
@@ -95,8 +95,9 @@ class PoolExecutor(Executor):
     def after_prefill(self, store):
         store.to_host()
 
-    def slot(self):
-        return None if self.slots is None else self.rt.next_slot(self.slots)
+    def next_landing(self):
+        """The landing slot of this layer's next fetch (None without copies: rows stay where they are)."""
+        return None if self.landing is None else self.rt.next_slot(self.landing)
 
 
 class HeldExecutor(PoolExecutor):
@@ -110,7 +111,7 @@ class HeldExecutor(PoolExecutor):
 
     def prefetch(self, session):
         store = session.cache.layers[self.layer.index]
-        self.submit(store.pool.prefix_job(None if store.evicting else store.stored, self.slot()))
+        self.submit(store.pool.prefix_job(None if store.evicting else store.stored, self.next_landing()))
 
     def landed(self, fetched: Fetched, store: PoolStore) -> torch.Tensor:
         """The fetched rows with the current token's row in its slot, (slots, b*h_kv, W) on the device, so the
@@ -186,7 +187,7 @@ class GatherExecutor(PoolExecutor):
             src_idx, dest = src.reshape(-1), None
         else:
             src_idx, dest = src[mask], torch.arange(b * hk * k).view(b, hk, k)[mask]
-        self.submit(store.pool.gather_job(src_idx, dest, self.slot()), keep, valid, k)
+        self.submit(store.pool.gather_job(src_idx, dest, self.next_landing()), keep, valid, k)
 
     def prepare(self, session, q, store):
         if self.pending is None:  # the selection needs this layer's own query: a synchronous gather

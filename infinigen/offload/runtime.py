@@ -2,7 +2,7 @@
 and the host->device traffic each method implies actually moved (CUDA) or counted and modelled (CPU).
 
 Each method declares per layer what it needs (`KVMethod.offload_kind`: resident | held | gather, see
-infinigen/method.py); `runtime` overrides it: ideal keeps every layer resident, offload moves a resident
+infinigen/contract.py); `runtime` overrides it: ideal keeps every layer resident, offload moves a resident
 method's KV to the host (held). The executors (infinigen/offload/executors.py) run the method's own decode-step
 code around the transfers, so a run computes what the method's decode mode computes (tests/test_latency.py checks
 it against sim mode for every method in conf/method/). InfiniGen's recall statistic needs every key on the
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinigen import adapter
-from infinigen.method import OFFLOAD_KINDS, SPECULATION_POINTS
+from infinigen.contract import OFFLOAD_KINDS, SPECULATION_POINTS
 from infinigen.offload.executors import EXECUTORS, Executor
 from infinigen.offload.link import Link, Slot
 from infinigen.offload.pool import PoolStore
@@ -66,10 +66,6 @@ class OffloadedMethod:
     def __init__(self, rt: "OffloadRuntime", method, executors: list[Executor]):
         self.rt, self.method, self.executors = rt, method, executors
         self.decoding = False
-
-    @property
-    def stats(self):
-        return self.method.stats
 
     def bind(self, session) -> None:
         self.method.bind(session)
@@ -291,7 +287,7 @@ def _sum(values: list) -> list:
 
 @torch.inference_mode()
 def teacher_forced_logits(model, method, input_ids: torch.Tensor, dense_rows: int, **kwargs) -> tuple[torch.Tensor, "Report"]:
-    """runtime.decode_logits through the offloading runtime: predictions of tokens dense_rows .. t-1,
+    """modes.decode_logits through the offloading runtime: predictions of tokens dense_rows .. t-1,
     (b, t - dense_rows, V), and the run's report."""
     rt = OffloadRuntime(model, method, **kwargs)
     report = rt.generate(input_ids[:, :dense_rows], input_ids.shape[1] - dense_rows,

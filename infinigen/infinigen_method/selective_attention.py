@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.method import GatheringMethod, attend, logits
-from infinigen.selection import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
+from infinigen.contract import GatheringMethod, attend, logits
+from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from experiments.data import check_dataset, corpus_text
+from infinigen.corpora import check_dataset, corpus_text
 from infinigen.adapter import Session, encode, tokenizer_of
-from infinigen.selective import SelectiveAttention
-from infinigen.skew import Skew, calibrate
+from infinigen.infinigen_method.selective_attention import SelectiveAttention
+from infinigen.infinigen_method.skew import Skew, calibrate
 
 SPECULATE_FROM = ("previous", "current")
 PARTIAL_SELECT = ("q", "qk")

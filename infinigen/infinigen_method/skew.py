@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from infinigen import adapter
-from infinigen.method import KVMethod
-from infinigen.runtime import sim_logits
+from infinigen.contract import KVMethod
+from infinigen.modes import sim_logits
 
 
 @dataclass
