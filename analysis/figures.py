@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,12 +26,14 @@ from analysis import store
 
 COLORS = {"full": "black", "offload": "tab:gray", "h2o": "tab:orange", "quant": "tab:green",
           "infinigen": "tab:blue", "oracle": "tab:purple", "streaming": "tab:brown"}
+OTHER_COLORS = ("tab:red", "tab:pink", "tab:olive", "tab:cyan", "gold", "navy", "teal", "maroon")  # other methods
 MARKERS = "osD^v<>Px*"
-# hyperparameters that set a method's KV size: they place a point on a curve instead of naming a curve
-SIZE_PARAMS = {"h2o": {"heavy", "recent"}, "quant": {"bits"}, "infinigen": {"alpha", "budget", "max_num_kv"},
+# hyperparameters that set a method's KV size (they place a point on a curve instead of naming a curve): rows carry
+# them (method_params.size_params, from the method's `size_params`); these are for rows written before they did
+LEGACY_SIZE_PARAMS = {"h2o": {"heavy", "recent"}, "quant": {"bits"}, "infinigen": {"alpha", "budget", "max_num_kv"},
                "oracle": {"budget", "alpha", "max_num_kv"}, "streaming": {"sinks", "recent"}}
 # method_params that do not change results (paths, bookkeeping) and never name a curve
-IGNORED_PARAMS = {"name", "calib_data_dir", "cache_dir", "track_recall"}
+IGNORED_PARAMS = {"name", "size_params", "calib_data_dir", "cache_dir", "track_recall"}
 # models in order of parameter count (unknown models come after these, in store order)
 MODEL_ORDER = ["tiny-llama", "tiny-opt", "tiny-llama-gqa", "smollm2-135m", "opt-6.7b", "llama-2-7b",
                "mistral-7b", "qwen2.5-7b", "llama-3-8b", "opt-13b", "llama-2-13b", "opt-30b"]
@@ -75,18 +78,25 @@ def short(value) -> str:
     return str(value)
 
 
-def size_params(method: str) -> set[str]:
-    return SIZE_PARAMS.get(method, set())
+def size_params(method: str, rows: pd.DataFrame) -> set[str]:
+    """The KV-size hyperparameters `rows` (of `method`) declare."""
+    declared = [set(v) for v in column(rows, "method_params.size_params") if isinstance(v, (list, tuple))]
+    return set().union(*declared) if declared else LEGACY_SIZE_PARAMS.get(method, set())
 
 
-def curve_labels(df: pd.DataFrame, point_params: Callable[[str], set[str]] = lambda m: set(),
-                 shown: Callable[[str], set[str]] = size_params) -> pd.Series:
+def color(method: str) -> str:
+    """A method's colour: fixed for the paper's methods, a stable pick from OTHER_COLORS for any other."""
+    return COLORS.get(method) or OTHER_COLORS[zlib.crc32(method.encode()) % len(OTHER_COLORS)]
+
+
+def curve_labels(df: pd.DataFrame, point_params: Callable[[str, pd.DataFrame], set[str]] = lambda m, r: set(),
+                 shown: Callable[[str, pd.DataFrame], set[str]] = size_params) -> pd.Series:
     """A name per row for the curve it belongs to: the method, plus its `shown(method)` hyperparameters and
     those that differ between that method's rows here, except those that place a point on the curve
     (`point_params(method)`)."""
     labels = pd.Series("", index=df.index, dtype=object)
     for method, rows in df.groupby("method", sort=False):
-        skip, show = point_params(method), shown(method)
+        skip, show = point_params(method, rows), shown(method, rows)
         varying = [c for c in param_columns(rows)
                    if c.split(".", 1)[1] not in skip and rows[c].notna().any()
                    and (c.split(".", 1)[1] in show or rows[c].map(short).nunique(dropna=False) > 1)]
@@ -96,7 +106,7 @@ def curve_labels(df: pd.DataFrame, point_params: Callable[[str], set[str]] = lam
     return labels
 
 
-def per_panel(df: pd.DataFrame, point_params: Callable[[str], set[str]] = lambda m: set()) -> pd.Series:
+def per_panel(df: pd.DataFrame, point_params: Callable[[str, pd.DataFrame], set[str]] = lambda m, r: set()) -> pd.Series:
     """curve_labels within each panel, so a curve is named by what differs on its own panel."""
     labels = [curve_labels(rows, point_params) for _, rows in df.groupby("panel", sort=False)]
     return pd.concat(labels).reindex(df.index) if labels else pd.Series(dtype=object)
@@ -161,7 +171,7 @@ def empty_figure(title: str, what: str, hint: str) -> Figure:
 
 def style(label: str, index: int) -> dict:
     method = label.split(" ", 1)[0]
-    return {"color": COLORS.get(method), "marker": MARKERS[index % len(MARKERS)]}
+    return {"color": color(method), "marker": MARKERS[index % len(MARKERS)]}
 
 
 def draw_curves(ax: Axes, data: pd.DataFrame, x: str, y: str, order: str | None = None) -> None:
@@ -176,7 +186,7 @@ def draw_bars(ax: Axes, data: pd.DataFrame, group: str, bar: str, y: str, groups
     for j, name in enumerate(bars):
         heights = [data.loc[(data[group] == g) & (data[bar] == name), y].mean() for g in groups]
         xs = np.arange(len(groups)) + (j - (len(bars) - 1) / 2) * width
-        ax.bar(xs, heights, width, label=str(name), color=COLORS.get(str(name).split(" ", 1)[0]),
+        ax.bar(xs, heights, width, label=str(name), color=color(str(name).split(" ", 1)[0]),
                alpha=0.9 if j == 0 else 0.75, edgecolor="white", hatch=["", "//", "..", "xx", "\\\\"][j % 5])
     ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=20 if len(groups) > 4 else 0)
 
@@ -416,7 +426,7 @@ def fig14_16_latency(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         data = data.assign(curve=curve_labels(data))
         curves = list(dict.fromkeys(data["curve"]))
         ax.bar(range(len(curves)), [data.loc[data["curve"] == c, "h2d_bytes_per_token"].mean() / 2**20 for c in curves],
-               color=[COLORS.get(c.split(" ", 1)[0]) for c in curves])
+               color=[color(c.split(" ", 1)[0]) for c in curves])
         ax.set_xticks(range(len(curves)), [c.replace(" (", "\n(").replace(", ", ",\n") for c in curves], fontsize=7)
         ax.set_title(f"{top['model']}, batch {short(top['batch_size'])}, prompt {short(top['prompt_len'])}", fontsize=9)
         ax.set_ylabel("host->device KV (MiB / token)")

@@ -20,8 +20,8 @@ import math
 import pandas as pd
 
 from analysis import store
-from analysis.figures import (SIZE_PARAMS, bytes_ratio, column, eviction_rows, metric, models_by_size,
-                              param_columns, short)
+from analysis.figures import (bytes_ratio, column, eviction_rows, metric, models_by_size, param_columns, short,
+                              size_params)
 
 TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction")
 
@@ -31,7 +31,7 @@ def key_params(df: pd.DataFrame) -> pd.Series:
     out = pd.Series("", index=df.index, dtype=object)
     for method, rows in df.groupby("method", sort=False):
         cols = [c for c in param_columns(rows) if rows[c].notna().any()]
-        keep = [c for c in cols if c.split(".", 1)[1] in SIZE_PARAMS.get(method, set())
+        keep = [c for c in cols if c.split(".", 1)[1] in size_params(method, rows)
                 or rows[c].map(short).nunique(dropna=False) > 1]
         for i, row in rows.iterrows():
             out[i] = ", ".join(f"{c.split('.', 1)[1]}={short(row[c])}" for c in keep if not _missing(row[c]))
@@ -143,7 +143,7 @@ def eviction_table(df: pd.DataFrame) -> pd.DataFrame:
     fixed = [c for c in param_columns(rows) if c.split(".", 1)[1] not in ("capacity", "eviction")]
     rows = rows.assign(params=rows[fixed].apply(
         lambda r: ", ".join(f"{c.split('.', 1)[1]}={short(r[c])}" for c in fixed if not _missing(r[c])
-                            and c.split(".", 1)[1] in SIZE_PARAMS["infinigen"] | {"partial_ratio"}), axis=1),
+                            and c.split(".", 1)[1] in size_params("infinigen", rows) | {"partial_ratio"}), axis=1),
         seq_len=metric(rows, "seq_len").astype("Int64"))
     wide = rows.pivot_table(index=["model", "method", "params", "dataset", "seq_len"], columns="pool", values="ppl",
                             aggfunc="mean").reset_index()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from baselines.streaming import check_budget, index_of, token_count
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod, attend, logits
+from infinigen.contract import KVMethod, attend, logits
 
 REDUCE = {
     "sum": lambda p: p.sum(2),  # total attention mass the entry received from its query-head group
@@ -52,6 +53,7 @@ class H2O(KVMethod):
     gqa_reduce: str = "sum"
 
     needs_prefill_probs = True
+    size_params: ClassVar[tuple[str, ...]] = ("heavy", "recent")
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,6 +65,9 @@ class H2O(KVMethod):
     def budget(self, seen: int) -> int:
         """Entries kept after the step at which `seen` tokens exist."""
         return min(seen, token_count(self.heavy, seen) + token_count(self.recent, seen))
+
+    def max_held(self, max_len: int) -> int:
+        return min(max_len, self.budget(max_len) + 1)  # what it kept after the previous step + the current token
 
     def plan(self, seen: int, held: int) -> tuple[int, int]:
         """(window start, number of entries to evict) after the step at which `seen` tokens exist and `held`
@@ -141,7 +146,8 @@ class H2O(KVMethod):
         self.evict(store)
 
     def decode_attention(self, session, layer, q, store):
-        out, probs = attend(q, store.keys, store.values, None, layer.logit_scale, need_probs=True)
+        keys, values = store.kv()
+        out, probs = attend(q, keys, values, None, layer.logit_scale, need_probs=True)
         self.record_decode(layer, store, store.stored)
         acc = store.entries["acc"]
         acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], 1)], dim=-1)  # the current token's accumulator

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from infinigen.selective import SelectiveAttention
+from infinigen.infinigen_method.selective_attention import SelectiveAttention
 
 
 @dataclass

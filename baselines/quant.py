@@ -4,11 +4,12 @@ of InfiniGen, Lee et al. OSDI'24, which uses FlexGen's scheme: Sheng et al., ICM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod, attend
+from infinigen.contract import KVMethod, attend
 
 BITS = (8, 4, 2, 1)
 PARAM_DTYPE = torch.float16  # per-group scale and zero-point, as stored
@@ -60,6 +61,30 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return fields.flatten(-2)
 
 
+class QuantCodec:
+    """A host-pool row of the offloading runtime: K codes|V codes|K scale|K zero|V scale|V zero as bytes, so the
+    device decodes exactly what QuantStore.kv() gives."""
+
+    def __init__(self, head_dim: int, bits: int, group: int, dtype):
+        self.bits, self.group, self.out_dtype, self.dtype = bits, group, dtype, torch.uint8
+        self.codes = head_dim * bits // 8
+        self.params = (head_dim // group) * PARAM_DTYPE.itemsize
+        self.width = 2 * self.codes + 4 * self.params
+
+    def encode(self, k, v):  # (..., d) x 2 -> (..., width) uint8
+        kc, ks, kz = quantize(k, self.bits, self.group)
+        vc, vs, vz = quantize(v, self.bits, self.group)
+        params = [p.contiguous().view(torch.uint8) for p in (ks, kz, vs, vz)]
+        return torch.cat([pack(kc, self.bits), pack(vc, self.bits), *params], dim=-1)
+
+    def decode(self, rows):
+        kc, vc, ks, kz, vs, vz = rows.split([self.codes] * 2 + [self.params] * 4, dim=-1)
+        ks, kz, vs, vz = (p.contiguous().view(PARAM_DTYPE) for p in (ks, kz, vs, vz))
+        k = dequantize(unpack(kc, self.bits), ks, kz, self.group, self.out_dtype)
+        v = dequantize(unpack(vc, self.bits), vs, vz, self.group, self.out_dtype)
+        return k, v
+
+
 class QuantStore(KVStore):
     """A KVStore whose keys/values are packed integer codes, (b, h_kv, s, d * bits // 8) uint8; the per-group fp16
     scale/zero-point live in `entries` (k_scale, k_zero, v_scale, v_zero: (b, h_kv, s, d // group)), so
@@ -83,9 +108,9 @@ class QuantStore(KVStore):
             self.entries[name] = new if old is None else torch.cat([old, new], dim=-2)
         if first:
             return key_states, value_states  # the prefill attends densely in full precision
-        return self.dequantized()
+        return self.kv()
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) as attention sees them, (b, h_kv, s, d) in the model's dtype."""
         e = self.entries
         k = dequantize(unpack(self.keys, self.bits), e["k_scale"], e["k_zero"], self.group, self.dtype)
@@ -111,6 +136,8 @@ class Quant(KVMethod):
     bits: int = 4
     group_size: int = 64
 
+    size_params: ClassVar[tuple[str, ...]] = ("bits",)
+
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
@@ -131,6 +158,9 @@ class Quant(KVMethod):
     def new_store(self, layer) -> QuantStore:
         return QuantStore(self.bits, self.group(layer.head_dim))
 
+    def codec(self, layer, dtype) -> QuantCodec:
+        return QuantCodec(layer.head_dim, self.bits, self.group(layer.head_dim), dtype)
+
     def forward_attention(self, session, layer, q, k, v, allowed):
         if session.mode == "decode":  # dense fp prefill; the store keeps its codes
             return super().forward_attention(session, layer, q, k, v, allowed)
@@ -145,9 +175,3 @@ class Quant(KVMethod):
             outs.append(attend(q[:, :, n_dense:], kq, vq, allowed[..., n_dense:, :], scale)[0])
         self.record_sim(session, layer, allowed, allowed)
         return torch.cat(outs, dim=2)  # (b, h, t, d)
-
-    def decode_attention(self, session, layer, q, store):
-        k, v = store.dequantized()
-        out, _ = attend(q, k, v, None, layer.logit_scale)
-        self.record_decode(layer, store, store.stored)
-        return out

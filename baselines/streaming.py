@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.method import KVMethod, attend
+from infinigen.contract import KVMethod
 
 
 def check_budget(name: str, value) -> None:
@@ -60,6 +61,8 @@ class Streaming(KVMethod):
     sinks: int = 4
     recent: int | float = 0.2
 
+    size_params: ClassVar[tuple[str, ...]] = ("sinks", "recent")
+
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
@@ -90,6 +93,8 @@ class Streaming(KVMethod):
 
     def decode_attention(self, session, layer, q, store):
         self.evict(store)
-        out, _ = attend(q, store.keys, store.values, None, layer.logit_scale)
-        self.record_decode(layer, store, store.stored)
-        return out
+        return super().decode_attention(session, layer, q, store)
+
+    def max_held(self, max_len: int) -> int:
+        # before a step's eviction: the sinks, the previous step's window and the current token
+        return min(max_len, self.sinks + token_count(self.recent, max_len) + 1)

@@ -4,7 +4,7 @@
     python experiments/bench_sim.py --methods h2o streaming --set h2o.heavy=0.2 --tokens 1024
 
 Loads the model once, takes the first --tokens tokens of WikiText-2 (DATA_DIR, default ../shared/data from the
-repo root), times the model's own forward (median of --repeats after one warm-up) and `runtime.sim_logits` per
+repo root), times the model's own forward (median of --repeats after one warm-up) and `modes.sim_logits` per
 method, and prints method, seconds, ratio vs dense eager and kv_fraction. A benchmark script, not a test.
 """
 
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from experiments.data import corpus_text  # noqa: E402
-from experiments.ppl import encode  # noqa: E402
-from infinigen import adapter, runtime  # noqa: E402
+from infinigen.corpora import corpus_text  # noqa: E402
+from infinigen import adapter, modes  # noqa: E402
+from infinigen.adapter import encode  # noqa: E402
 
 METHOD_DIR = ROOT / "conf" / "method"
 
@@ -111,7 +111,7 @@ def main(argv=None) -> list[dict]:
     for name, method in methods.items():
         def run():
             method.reset_stats()
-            runtime.sim_logits(model, method, ids, dense_rows=args.dense_rows)
+            modes.sim_logits(model, method, ids, dense_rows=args.dense_rows)
 
         seconds = timed(run, args.repeats, sync)
         kv = method.stats.summary().get("kv_fraction", float("nan"))

@@ -1,7 +1,7 @@
 """Latency task: prefill + greedy decode through the offloading runtime (InfiniGen Figs. 14-17).
 
 The KV of offloading methods lives in host memory and what each method implies crosses to the compute device
-every step (infinigen/offload_runtime.py). On CUDA that traffic is real (pinned pools, side stream, events) and
+every step (infinigen/offload/). On CUDA that traffic is real (pinned pools, side stream, events) and
 the times are CUDA-event times. On CPU host and device coincide: the bytes are counted, the compute is measured,
 and `modelled_*` columns add the link (task.link_gbps) with the runtime's overlap.
 
@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from experiments.data import check_dataset, corpus_text
+from infinigen.corpora import check_dataset, corpus_text
 
 # torch and the runtime are imported where used: `validate` must stay cheap to import
 PROMPTS = ("auto", "text", "random")
@@ -45,13 +45,11 @@ def validate(task, data_dir) -> None:
     gbps = task.get("link_gbps")
     if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0 or math.isinf(gbps):
         raise ValueError(f"task.link_gbps must be a positive number of GB/s (1e9 bytes/s), got {gbps!r}")
-    if not isinstance(task.get("resident_h2o"), bool):
-        raise ValueError(f"task.resident_h2o must be true or false, got {task.get('resident_h2o')!r}")
     if task.get("prompt") not in PROMPTS:
         raise ValueError(f"task.prompt must be one of {PROMPTS}, got {task.get('prompt')!r}")
     if task.prompt == "text":
         check_dataset(task.dataset, data_dir)
-    from infinigen.offload_runtime import RUNTIMES  # the runtime owns the list (imports torch: checked last)
+    from infinigen.offload.runtime import RUNTIMES  # the runtime owns the list (imports torch: checked last)
 
     if task.get("runtime") not in RUNTIMES:
         raise ValueError(f"task.runtime must be one of {RUNTIMES}, got {task.get('runtime')!r}")
@@ -78,11 +76,11 @@ def prompt_ids(tokenizer, vocab_size: int, task, data_dir) -> tuple[torch.Tensor
 
 
 def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
-    from infinigen.offload_runtime import OffloadRuntime
+    from infinigen.offload.runtime import OffloadRuntime
 
     ids, source = prompt_ids(tokenizer, model.config.vocab_size, task, data_dir)
     ids = ids.to(device)
-    rt = OffloadRuntime(model, method, runtime=task.runtime, resident_h2o=task.resident_h2o, link_gbps=task.link_gbps)
+    rt = OffloadRuntime(model, method, runtime=task.runtime, link_gbps=task.link_gbps)
     if task.warmup:  # kernels, allocators, InfiniGen's calibration: none of it belongs in the measured run
         rt.generate(ids[:, : min(task.prompt_len, 64)], gen_len=2)
     method.reset_stats()
@@ -110,7 +108,7 @@ ROWS = {
     "offload": ("offload", {}, {}),
     "quant-int4": ("quant", {"bits": 4, "group_size": 64}, {}),
     "h2o": ("h2o", {"heavy": 0.1, "recent": 0.1}, {}),
-    "h2o-resident": ("h2o", {"heavy": 0.1, "recent": 0.1}, {"resident_h2o": True}),
+    "h2o-resident": ("h2o", {"heavy": 0.1, "recent": 0.1}, {"runtime": "ideal"}),
     "infinigen": ("infinigen", {"alpha": 4.0, "partial_ratio": 0.2, "budget": 0.2}, {}),
 }
 COLUMNS = [  # (header, metric (None = the row's name), scale, decimals (None = text))
@@ -181,8 +179,6 @@ def main(argv=None) -> int:
     import torch
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
-
-    from infinigen import adapter
 
     data_dir = args.data_dir if Path(args.data_dir).is_dir() else None
     sets = parse_sets(args.set)

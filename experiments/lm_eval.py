@@ -3,7 +3,7 @@
 lm-eval's HF backend scores a (context, continuation) request with one plain dense forward (see lm-eval issues
 #3298 / #2506: a KV-cache policy installed only for `generate()` never sees those forwards). `KVMethodLM` keeps
 lm-eval's request handling (tokenisation, truncation, batching, the one-token logits cache, metrics) but replaces
-the model call by `infinigen.runtime.sim_logits`, so every log-likelihood comes out of the method.
+the model call by `infinigen.modes.sim_logits`, so every log-likelihood comes out of the method.
 
 Two protocols, recorded in every row:
 

@@ -13,7 +13,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from experiments.lm_eval import PROTOCOLS
-from infinigen import adapter, runtime
+from infinigen import adapter, modes
 
 
 # ----------------------------------------------------------------------------------------------- the LM
@@ -85,7 +85,7 @@ class KVMethodLM(HFLM):
             raise ValueError("KVMethodLM is a causal LM: no encoder mask / labels")
         self.counts["forwards"] += 1
         self.counts["rows"] += inps.numel()
-        logits = runtime.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
+        logits = modes.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
         if not torch.isfinite(logits).all():  # lm-eval would turn NaN log-likelihoods into a plausible accuracy
             raise FloatingPointError(
                 f"lm_eval: non-finite logits in forward {self.counts['forwards']} (batch {tuple(inps.shape)}); "
@@ -107,18 +107,18 @@ class KVMethodLM(HFLM):
         """Greedy continuation of ids (1, t) through the method in decode mode: dense prefill, then one token per
         step; ends after new_tokens, at an eos id, or once the decoded text contains a stop string."""
         stop_ids, stop = self._stop_ids(), [s for s in stop if s]
-        cache = runtime.new_cache(self.model, self.method)
+        cache = modes.new_cache(self.model, self.method)
         t = ids.shape[1]
         out: list[int] = []
         with adapter.install(self.model, self.method, mode="decode", dense_rows=t, cache=cache, max_len=t + new_tokens):
-            logits = runtime.prefill(self.model, ids, cache)
+            logits = modes.prefill(self.model, ids, cache)
             for pos in range(t, t + new_tokens):
                 out.append(int(logits.argmax(-1)))
                 if out[-1] in stop_ids or len(out) == new_tokens:
                     break
                 if stop and any(s in self.tok_decode(out) for s in stop):
                     break
-                logits = runtime.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
+                logits = modes.decode_step(self.model, torch.tensor([[out[-1]]], device=ids.device), cache, pos)
         self.counts["generated"] += len(out)
         return out
 

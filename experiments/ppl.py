@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from experiments.data import check_dataset, corpus_text
+from infinigen.corpora import check_dataset, corpus_text
 
 # torch, tqdm and the runtime are imported in the functions that use them: `validate` must stay cheap to import
 
@@ -36,22 +36,13 @@ def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | Non
     return [(s, 0 if i == 0 else seq_len - stride) for i, s in enumerate(starts)]
 
 
-def encode(tokenizer, text: str, vocab_size: int) -> torch.Tensor:
-    """Token ids; random-init models have no tokenizer and read the UTF-8 bytes (mod vocab) instead."""
-    import torch
-
-    if tokenizer is None:
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
-    return tokenizer(text, return_tensors="pt").input_ids[0]
-
-
 def first_nonfinite_layer(model, method, window, dense_rows: int) -> int | None:
     """Index of the first decoder layer whose output holds a NaN/inf on `window` (one more forward, run only once
     the logits are known to be bad), or None."""
     import torch
 
     from infinigen import adapter
-    from infinigen.runtime import sim_logits
+    from infinigen.modes import sim_logits
 
     bad: list[int] = []
 
@@ -88,7 +79,8 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     import torch
     from tqdm import tqdm
 
-    from infinigen.runtime import cache_bytes, sim_logits
+    from infinigen.adapter import encode
+    from infinigen.modes import cache_bytes, sim_logits
 
     text = corpus_text(task.dataset, data_dir)
     ids = encode(tokenizer, text, model.config.vocab_size)

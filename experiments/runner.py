@@ -22,10 +22,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
-from experiments import data
+from experiments.lm_eval_tasks import tasks_identity
+from infinigen import corpora
 
 # config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
-# the content identity of the data read from them (experiments.data.data_identity)
+# the content identity of the data read from them (data_identity)
 NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress")
 NON_SEMANTIC_METHOD = ("calib_data_dir",)
 
@@ -39,13 +40,29 @@ def task_module(name: str):
     return importlib.import_module(modules[name])
 
 
+def data_identity(cfg) -> dict:
+    """The data a run reads (a (model, method, task) config with data_dir): the task's corpus or lm-eval task files
+    and the method's calibration text. Goes into every row; `without_paths` of it goes into the config hash."""
+    task, data_dir = cfg.task, cfg.get("data_dir")
+    out: dict = {}
+    if task.name == "ppl" or (task.name == "latency" and (task.get("prompt") == "text"
+                                                            or (task.get("prompt") == "auto" and data_dir))):
+        out = corpora.identity(task.dataset, data_dir)
+    elif task.name == "lm_eval":
+        out = tasks_identity(list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks], data_dir,
+                             task.get("include_path"))
+    if cfg.method.get("calibration"):
+        out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
+    return out
+
+
 def config_hash(cfg: DictConfig) -> str:
     """sha256 of what a run computes: the config without locations and bookkeeping, plus the content identity of
     its data (sha256 of each file read, or the hub dataset), so another data folder with other text is another
     run, and the same data moved elsewhere is the same one."""
     semantic = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NON_SEMANTIC}
     semantic["method"] = {k: v for k, v in semantic["method"].items() if k not in NON_SEMANTIC_METHOD}
-    semantic["data"] = data.without_paths(data.data_identity(cfg))
+    semantic["data"] = corpora.without_paths(data_identity(cfg))
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -72,9 +89,20 @@ def versions() -> dict:
     return out
 
 
-def method_params(cfg: DictConfig) -> dict:
-    params = OmegaConf.to_container(cfg.method, resolve=True)
-    return {"name": params.pop("_target_").rsplit(".", 1)[-1].lower(), **params}
+def method_name(cfg: DictConfig) -> str:
+    """The conf/method choice the run was composed with (what rows are called); without Hydra's runtime (e.g. a
+    config composed by hand), the class name, lowercased."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.method
+    except (ImportError, ValueError, AttributeError):
+        return cfg.method._target_.rsplit(".", 1)[-1].lower()
+
+
+def method_params(cfg: DictConfig, method) -> dict:
+    params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "_target_"}
+    return {"name": method_name(cfg), **params, "size_params": list(method.size_params)}
 
 
 class NonFiniteError(FloatingPointError):
@@ -226,11 +254,11 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
         {
             "config_hash": digest,
             "model": cfg.model.name,
-            "method": method_params(cfg)["name"],
+            "method": method_name(cfg),
             "task": cfg.task.name,
-            "method_params": method_params(cfg),
+            "method_params": method_params(cfg, method),
             "task_params": config["task"],
-            "data": data.data_identity(cfg),
+            "data": data_identity(cfg),
             "metrics": metrics,
             "meta": meta,
             "config": config,

@@ -110,6 +110,13 @@ def tokenizer_of(model):
     return _TOKENIZERS.get(model)
 
 
+def encode(tokenizer, text: str, vocab_size: int) -> torch.Tensor:
+    """Token ids (n,); random-init models have no tokenizer and read the UTF-8 bytes (mod vocab) instead."""
+    if tokenizer is None:
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
 def _byte_chars() -> list[str]:
     """Byte b -> the printable character byte-level tokenizers use for it: printable Latin-1 bytes stand for
     themselves, the others are moved past 255 in order."""
@@ -146,6 +153,14 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def _input_norm(block) -> torch.nn.Module:
     return block.self_attn_layer_norm if hasattr(block, "self_attn_layer_norm") else block.input_layernorm
+
+
+def post_attention_norm(block) -> torch.nn.Module:
+    """The norm whose input is the residual stream right after the block's attention was added (Llama's
+    post_attention_layernorm; OPT's final_layer_norm, or its self_attn_layer_norm in post-norm models)."""
+    if hasattr(block, "post_attention_layernorm"):
+        return block.post_attention_layernorm
+    return block.final_layer_norm if block.do_layer_norm_before else block.self_attn_layer_norm
 
 
 def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -248,7 +263,8 @@ class KVStore(DynamicLayer):
 
     keys/values are (b, h_kv, s, d); `positions` (b, h_kv, s) holds each stored entry's token position, so a
     method that evicts per head can still say which tokens it holds. `seen` counts every token ever appended
-    (what positions/masks are derived from); `stored` is what is physically kept.
+    (what positions/masks are derived from); `stored` is what is physically kept. `reserve(n)` preallocates room
+    for n entries, so appending a token writes into a buffer instead of re-allocating the cache.
     """
 
     def __init__(self):
@@ -257,23 +273,60 @@ class KVStore(DynamicLayer):
         self.seen = 0
         self.entries: dict[str, torch.Tensor] = {}  # per stored entry, (b, h_kv, s, ...)
         self.state: dict[str, Any] = {}
+        self._room = 0
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reserve(self, entries: int) -> None:
+        self._room = entries
+
+    def append_positions(self, b: int, hk: int, t: int, device) -> None:
+        pos = torch.arange(self.seen, self.seen + t, device=device).expand(b, hk, t)
+        self.positions = pos if self.positions is None else torch.cat([self.positions, pos], dim=-1)
+        self.seen += t
 
     def update(self, key_states, value_states, *args, **kwargs):
         b, hk, t, _ = key_states.shape
-        pos = torch.arange(self.seen, self.seen + t, device=key_states.device).expand(b, hk, t)
-        self.positions = pos if self.positions is None else torch.cat([self.positions, pos], dim=-1)
-        self.seen += t
-        return super().update(key_states, value_states)
+        self.append_positions(b, hk, t, key_states.device)
+        n = self.stored
+        if self._room and self._buffers is None and n == 0:
+            self._buffers = tuple(x.new_empty(b, hk, self._room, x.shape[-1]) for x in (key_states, value_states))
+        if self._buffers is None or n + t > self._room:
+            self._buffers = None
+            return super().update(key_states, value_states)
+        kb, vb = self._buffers
+        kb[:, :, n : n + t] = key_states
+        vb[:, :, n : n + t] = value_states
+        self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+        self.device, self.is_initialized = key_states.device, True
+        return self.keys, self.values
 
     @property
     def stored(self) -> int:
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as attention sees them, (b, h_kv, s, d)."""
+        return self.keys, self.values
+
+    def recent_keys(self, n: int) -> torch.Tensor:
+        """Keys of the last n stored entries as attention sees them, (b, h_kv, n, d)."""
+        return self.kv()[0][:, :, -n:]
+
+    def selected(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a query attends when it selected `keep` (b, h_kv, past) of the entries before the current (last)
+        one: (keys, values, mask (b, h_kv, 1, s) or None). Here every entry is resident, so the selection is a
+        mask over them all; the offloading runtime's store returns just the gathered rows."""
+        keys, values = self.kv()
+        current = keep.new_ones(*keep.shape[:2], 1)
+        return keys, values, torch.cat([keep, current], dim=-1)[:, :, None]
+
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the entries at `index` (b, h_kv, n) along the sequence axis (per head); per-entry method
         state in `entries` ((b, h_kv, s, ...) tensors) is gathered alongside."""
-        self.keys = _gather_seq(self.keys, index)
-        self.values = _gather_seq(self.values, index)
+        self._buffers = None
+        if self.keys is not None:
+            self.keys = _gather_seq(self.keys, index)
+            self.values = _gather_seq(self.values, index)
         self.positions = self.positions.gather(2, index)
         for name, value in self.entries.items():
             self.entries[name] = _gather_seq(value, index)
@@ -288,6 +341,11 @@ class KVStore(DynamicLayer):
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def entry_bytes(self) -> int:
+        """Bytes of the per-entry bookkeeping (positions, method state) kept beside the KV."""
+        tensors = list(self.entries.values()) + ([self.positions] if self.positions is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def new_cache(stores: list[KVStore]) -> Cache:
@@ -308,6 +366,8 @@ class Session:
     max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
+    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> the residual stream entering it
+    attn_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual after its attention
     position_embeddings: Any = None
     model: Any = None
 
@@ -375,10 +435,25 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
 
         return hook
 
+    def residual_in(attn_layer):
+        def hook(module, args, kwargs):
+            session.block_inputs[attn_layer.index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def attention_end(attn_layer):
+        def hook(module, args):
+            session.attn_residuals[attn_layer.index] = args[0]
+            session.method.attention_end(session, attn_layer)
+
+        return hook
+
     outer = {id(layer.module): _BOUND.get(id(layer.module)) for layer in layers}  # installs may nest
-    for layer in layers:
+    for layer, block in zip(layers, decoder_layers(model)):
         _BOUND[id(layer.module)] = (session, layer)
         handles.append(layer.module.register_forward_pre_hook(capture(layer), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(residual_in(layer), with_kwargs=True))
+        handles.append(post_attention_norm(block).register_forward_pre_hook(attention_end(layer)))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)
     try:

@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data")
 TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+# Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
+VARIANTS = {
+    "infinigen": [{}, {"capacity": 0.8}],
+    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
+    "quant": [{}, {"bits": 2}],
+    "streaming": [{}, {"recent": 32}],
+}
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -42,7 +49,7 @@ def random_ids(n: int, vocab: int, batch: int = 1, seed: int = 0) -> torch.Tenso
 
 
 def text_ids(tokenizer, n: int) -> torch.Tensor:
-    from experiments.data import corpus_text
+    from infinigen.corpora import corpus_text
 
     text = corpus_text("wikitext2", DATA_DIR)[:20000]
     return tokenizer(text, return_tensors="pt").input_ids[:, :n]

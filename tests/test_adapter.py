@@ -5,7 +5,7 @@ import torch
 
 from conftest import TINY, load_model, model_cfg, sample_ids
 from baselines.full import Full
-from infinigen import adapter, runtime
+from infinigen import adapter, modes
 
 MODELS = TINY + [pytest.param("smollm2-135m", marks=pytest.mark.slow)]
 
@@ -17,9 +17,9 @@ def test_full_sim_and_decode_equal_hf_eager(name):
     with torch.inference_mode():
         ref = model(ids).logits.float()  # HF's own eager attention
     assert model.config._attn_implementation == "eager"
-    sim = runtime.sim_logits(model, Full(), ids, dense_rows=32)
+    sim = modes.sim_logits(model, Full(), ids, dense_rows=32)
     torch.testing.assert_close(sim, ref, atol=1e-5, rtol=0)
-    dec = runtime.decode_logits(model, Full(), ids, dense_rows=32)  # predictions of tokens 32..95
+    dec = modes.decode_logits(model, Full(), ids, dense_rows=32)  # predictions of tokens 32..95
     torch.testing.assert_close(dec, hf_decode_logits(model, ids, 32), atol=1e-5, rtol=0)
 
 
@@ -40,7 +40,7 @@ def hf_decode_logits(model, ids, prompt):
 def test_greedy_decode_equals_hf_generate(name):
     model, _ = load_model(name)
     prompt = sample_ids(name, 24)
-    ours = runtime.greedy_generate(model, Full(), prompt, new_tokens=16)
+    ours = modes.greedy_generate(model, Full(), prompt, new_tokens=16)
     with torch.inference_mode():
         hf = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(ours, hf)
@@ -69,7 +69,7 @@ def test_layer_view_reproduces_attention_inputs(name):
             seen[layer.index] = (q, k, session.attn_inputs[layer.index], session.position_embeddings)
             return super().forward_attention(session, layer, q, k, v, allowed)
 
-    runtime.sim_logits(model, Spy(), ids)
+    modes.sim_logits(model, Spy(), ids)
     for layer in adapter.attention_layers(model):
         q, k, x, pe = seen[layer.index]
         torch.testing.assert_close(layer.queries(x, pe), q)

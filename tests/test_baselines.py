@@ -16,8 +16,8 @@ from baselines.offload import Offload
 from baselines.quant import Quant, dequantize, pack, quantize, unpack
 from baselines.streaming import Streaming, token_count
 from conftest import load_model, model_cfg, random_ids, sample_ids
-from infinigen import adapter, runtime
-from infinigen.method import logits
+from infinigen import adapter, modes
+from infinigen.contract import logits
 
 PROMPT, DECODED = 48, 24
 
@@ -26,8 +26,8 @@ def sim_and_decode(model_name, method_factory, prompt=PROMPT, decoded=DECODED, b
     model, _ = load_model(model_name)
     ids = random_ids(prompt + decoded, model.config.vocab_size, batch=batch)
     sim_m, dec_m = method_factory(), method_factory()
-    sim = runtime.sim_logits(model, sim_m, ids, dense_rows=prompt)
-    dec = runtime.decode_logits(model, dec_m, ids, dense_rows=prompt)
+    sim = modes.sim_logits(model, sim_m, ids, dense_rows=prompt)
+    dec = modes.decode_logits(model, dec_m, ids, dense_rows=prompt)
     return sim, dec, sim_m, dec_m
 
 
@@ -155,7 +155,7 @@ def test_h2o_budget_holds_every_step(model_name):
             return keep
 
     model, _ = load_model(model_name)
-    runtime.sim_logits(model, Spy(heavy=heavy, recent=recent), random_ids(PROMPT + DECODED, 512), dense_rows=PROMPT)
+    modes.sim_logits(model, Spy(heavy=heavy, recent=recent), random_ids(PROMPT + DECODED, 512), dense_rows=PROMPT)
     for keep in captured.values():
         counts = keep[0, :, PROMPT:].sum(-1)  # (h_kv, rows)
         limit = torch.tensor([budget(p) + 1 for p in range(PROMPT, PROMPT + DECODED)])
@@ -262,7 +262,7 @@ def test_quant_8bit_perplexity_matches_full_smollm2():
     ids = sample_ids("smollm2-135m", 512)
 
     def nll(method):
-        out = runtime.sim_logits(model, method, ids, dense_rows=128)[0, 127:-1]
+        out = modes.sim_logits(model, method, ids, dense_rows=128)[0, 127:-1]
         return float(torch.nn.functional.cross_entropy(out, ids[0, 128:]))
 
     full, q8, q2 = nll(Full()), nll(Quant(bits=8)), nll(Quant(bits=2))
@@ -275,7 +275,7 @@ def test_quant_8bit_perplexity_matches_full_smollm2():
 def test_quant_cache_bytes_are_analytic(bits, group_size):
     model, _ = load_model("tiny-llama-gqa")  # head_dim 32, 2 KV heads, 3 layers
     method = Quant(bits=bits, group_size=group_size)
-    runtime.decode_logits(model, method, random_ids(PROMPT + DECODED, 512), dense_rows=PROMPT)
+    modes.decode_logits(model, method, random_ids(PROMPT + DECODED, 512), dense_rows=PROMPT)
     stores = method.last_cache.layers
     tokens, layers, kv_heads, d = PROMPT + DECODED, 3, 2, 32
     groups = d // min(group_size, d)  # 1 (group_size 64 > head_dim) or 2
@@ -289,10 +289,10 @@ def test_quant_cache_bytes_are_analytic(bits, group_size):
 def test_quant_group_must_divide_head_dim():
     model, _ = load_model("tiny-llama")
     with pytest.raises(ValueError, match="must divide head_dim"):
-        runtime.sim_logits(model, Quant(group_size=24), random_ids(8, 512))
+        modes.sim_logits(model, Quant(group_size=24), random_ids(8, 512))
     assert model.config._attn_implementation == "eager"  # raised inside the forward: the install was undone
     with pytest.raises(ValueError, match="must divide head_dim"):
-        runtime.decode_logits(model, Quant(group_size=24), random_ids(8, 512), dense_rows=4)
+        modes.decode_logits(model, Quant(group_size=24), random_ids(8, 512), dense_rows=4)
 
 
 @pytest.mark.slow
@@ -304,8 +304,8 @@ def test_quant_sim_equals_decode_smollm2_float64(bits):
     model, tok = adapter.load(model_cfg("smollm2-135m", dtype="float64"))
     prompt, decoded = 128, 32
     ids = sample_ids("smollm2-135m", prompt + decoded)
-    sim = runtime.sim_logits(model, Quant(bits=bits), ids, dense_rows=prompt)[:, prompt - 1 : -1]
-    dec = runtime.decode_logits(model, Quant(bits=bits), ids, dense_rows=prompt)
+    sim = modes.sim_logits(model, Quant(bits=bits), ids, dense_rows=prompt)[:, prompt - 1 : -1]
+    dec = modes.decode_logits(model, Quant(bits=bits), ids, dense_rows=prompt)
     torch.testing.assert_close(dec.log_softmax(-1), sim.log_softmax(-1), atol=2e-4, rtol=0)
 
 
@@ -333,8 +333,8 @@ def test_offload_keeps_kv_pinned_on_host_when_model_on_cuda():
     model, _ = adapter.load(model_cfg("tiny-llama-gqa"), device="cuda")
     ids = random_ids(PROMPT + DECODED, 512).cuda()
     method = Offload()
-    dec = runtime.decode_logits(model, method, ids, dense_rows=PROMPT)
-    ref = runtime.decode_logits(model, Full(), ids, dense_rows=PROMPT)
+    dec = modes.decode_logits(model, method, ids, dense_rows=PROMPT)
+    ref = modes.decode_logits(model, Full(), ids, dense_rows=PROMPT)
     torch.testing.assert_close(dec, ref, atol=1e-5, rtol=0)
     for store in method.last_cache.layers:
         assert store.keys.device.type == "cpu" and store.keys.is_pinned() and store.values.is_pinned()

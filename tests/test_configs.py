@@ -122,7 +122,7 @@ def test_every_point_composes(point):
     if not (CONF / "method" / f"{method}.yaml").is_file():
         pytest.skip(f"conf/method/{method}.yaml not written yet")
     cfg = compose_cfg(["+point=" + point])
-    assert runner.method_params(cfg)["name"] == method
+    assert runner.method_name(cfg) == method
     for key, value in (spec.get("method") or {}).items():
         assert cfg.method[key] == value, (point, key)
     runner.validate(cfg)

@@ -7,16 +7,9 @@ tokens followed by one-token decode steps through the method's cache, and report
 import pytest
 import torch
 
-from conftest import METHODS, TINY, load_model, method_from_conf, sample_ids
-from infinigen import runtime
+from conftest import METHODS, TINY, VARIANTS, load_model, method_from_conf, sample_ids
+from infinigen import modes
 
-# Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
-VARIANTS = {
-    "infinigen": [{}, {"capacity": 0.8}],
-    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
-    "quant": [{}, {"bits": 2}],
-    "streaming": [{}, {"recent": 32}],
-}
 TOL = 1e-6  # float64 log-prob agreement: a disagreement left is a logic bug, not rounding
 FP32_TOL = 2e-4  # fp32 log-prob agreement for methods without value-dependent choices (~50x the rounding seen)
 
@@ -45,9 +38,9 @@ def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=No
     model, _ = load_model(model_name, dtype)
     ids = sample_ids(model_name, prompt + decoded)
     sim_method = method_from_conf(method_name, **overrides)
-    sim = runtime.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
+    sim = modes.sim_logits(model, sim_method, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
     dec_method = method_from_conf(method_name, **overrides)
-    dec = runtime.decode_logits(model, dec_method, ids, dense_rows=prompt).log_softmax(-1)
+    dec = modes.decode_logits(model, dec_method, ids, dense_rows=prompt).log_softmax(-1)
     torch.testing.assert_close(dec, sim, atol=tol, rtol=0)
     sim_stats, dec_stats = sim_method.stats.summary(), dec_method.stats.summary()
     assert sim_stats["kv_fraction"] == pytest.approx(dec_stats["kv_fraction"], abs=1e-6)

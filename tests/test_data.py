@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, ROOT, load_model, method_from_conf
-from experiments import data, ppl, runner
+from experiments import ppl, runner
+from infinigen import corpora as data
 from infinigen import adapter
 
 SEQ_LEN = 64
@@ -317,7 +318,7 @@ def test_include_path_data_is_in_the_hash_and_the_row(tmp_path, no_model_load):
     for include in (one, two, same):
         cfg = cfg_of(["task=lm_eval", f"task.include_path={include}", "task.tasks=[my_copa]"], tmp_path,
                      data_dir=None)
-        identity = data.data_identity(cfg)
+        identity = runner.data_identity(cfg)
         names = sorted(Path(f["path"]).name for f in identity["files"])
         assert names == ["docs.jsonl", "my_copa.yaml"]
         digests.append(identity["sha256"])
@@ -325,7 +326,7 @@ def test_include_path_data_is_in_the_hash_and_the_row(tmp_path, no_model_load):
     assert len(set(digests)) == 3
     # the named local tasks hash their data files under data_dir
     cfg = cfg_of(["task=lm_eval", "task.tasks=[copa]"], tmp_path)
-    (entry,) = data.data_identity(cfg)["files"]
+    (entry,) = runner.data_identity(cfg)["files"]
     assert entry["path"].endswith("copa/validation.jsonl") and entry["sha256"].startswith("fa61467c")
 
 

@@ -7,10 +7,10 @@ import torch
 from hydra.errors import InstantiationException
 
 from conftest import load_model, method_from_conf, model_cfg, sample_ids
-from infinigen import adapter, runtime
-from infinigen.method import logits
-from infinigen.selection import budget_cap, pool_limit, select, victim
-from infinigen.skew import calibrate, capture_qk
+from infinigen import adapter, modes
+from infinigen.contract import logits
+from infinigen.infinigen_method.select_evict import budget_cap, pool_limit, select, victim
+from infinigen.infinigen_method.skew import calibrate, capture_qk
 
 
 def fresh(name):
@@ -50,9 +50,9 @@ def test_rope_skew_preserves_attention_logits(name):
 def test_unbounded_infinigen_equals_full(name):
     model, _ = load_model(name)
     ids = sample_ids(name, 64)
-    full = runtime.sim_logits(model, method_from_conf("full"), ids)
+    full = modes.sim_logits(model, method_from_conf("full"), ids)
     method = method_from_conf("infinigen", alpha=math.inf, budget=1.0, capacity=1.0, cache_dir=None)
-    torch.testing.assert_close(runtime.sim_logits(model, method, ids), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(modes.sim_logits(model, method, ids), full, atol=1e-5, rtol=0)
     assert method.stats.mean("kv_fraction") == pytest.approx(1.0)
     assert method.stats.mean("recall") == pytest.approx(1.0, abs=1e-5)
 
@@ -64,7 +64,7 @@ def test_full_ratio_unskewed_speculation_from_the_true_query_is_the_oracle(name)
     oracle = method_from_conf("oracle", budget=0.25)
     spec = method_from_conf("infinigen", budget=0.25, alpha=math.inf, partial_ratio=1.0, skew=False,
                             speculate_from="current", cache_dir=None)
-    torch.testing.assert_close(runtime.sim_logits(model, spec, ids), runtime.sim_logits(model, oracle, ids), atol=0, rtol=0)
+    torch.testing.assert_close(modes.sim_logits(model, spec, ids), modes.sim_logits(model, oracle, ids), atol=0, rtol=0)
     assert spec.stats.mean("kv_fraction") == oracle.stats.mean("kv_fraction")
     assert oracle.stats.mean("kv_fraction") < 0.6
 
@@ -109,7 +109,7 @@ def test_pool_capacity_is_never_exceeded_in_decode():
     model, _ = load_model("tiny-llama-gqa")
     ids = sample_ids("tiny-llama-gqa", 80)
     method = method_from_conf("infinigen", capacity=0.5, cache_dir=None)
-    runtime.decode_logits(model, method, ids, dense_rows=48)
+    modes.decode_logits(model, method, ids, dense_rows=48)
     limit = pool_limit(0.5, 80)
     for i, store in enumerate(method.last_cache.layers):
         assert store.stored == (80 if i < method.skip_layers else limit)

@@ -1,65 +1,75 @@
-"""The offloading runtime (infinigen/offload_runtime.py) and the latency task.
+"""The offloading runtime (infinigen/offload/) and the latency task.
 
-Through the runtime, a method's decode steps must give what its sim mode gives (teacher-forced), the bytes that
-cross the link must be the analytic size of what the method keeps or selects, and left padding must never leak
-into a row (a padded row equals that row run alone; InfiniGen never selects a padding entry).
+Through the runtime, every method's decode steps must give what its sim mode gives (teacher-forced; float64, so a
+disagreement is a logic bug, not rounding), and the bytes that cross the link must be the analytic size of what
+the method keeps or selects.
 """
 
 import os
 import subprocess
 import sys
+from typing import ClassVar
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, ROOT, load_model, method_from_conf, random_ids, sample_ids
-from infinigen import runtime
-from infinigen.offload_runtime import HostPool, Link, Timer, resolve_kind, teacher_forced_logits
+from conftest import DATA_DIR, METHODS, ROOT, VARIANTS, load_model, method_from_conf, random_ids, sample_ids
+from infinigen import modes
+from infinigen.offload.link import Link
+from infinigen.offload.runtime import OffloadRuntime, run_kind, teacher_forced_logits
+from infinigen.offload.timing import Timer
 
 PROMPT, DECODED = 48, 24
 TOL = 2e-4  # fp32 log-prob agreement, as tests/test_contract.py
-CASES = [  # (method, method overrides, runtime kwargs)
-    ("full", {}, {}),  # -> ideal
-    ("full", {}, {"runtime": "offload"}),
-    ("offload", {}, {}),
-    ("quant", {}, {}),
-    ("quant", {"bits": 2}, {}),
-    ("h2o", {}, {}),
-    ("h2o", {}, {"resident_h2o": True}),
-    ("infinigen", {}, {}),
-    ("infinigen", {"capacity": 0.8}, {}),
-    ("infinigen", {"capacity": 0.6, "eviction": "lru"}, {}),
-]
+TOL64 = 1e-5  # float64: the issue's bound; measured differences are ~1e-12
+RUNTIME_MODELS = ["tiny-opt", "tiny-llama-gqa"]
+# runtime settings checked beside each method's default (auto): the other placements of its KV
+RUNTIME_VARIANTS = [("full", {}, {"runtime": "offload"}), ("h2o", {}, {"runtime": "ideal"}),
+                    ("infinigen", {}, {"runtime": "ideal"}), ("infinigen", {"speculate_from": "current"}, {})]
 
 
 def case_id(method, overrides, kwargs):
     return "-".join([method] + [f"{k}={v}" for k, v in {**overrides, **kwargs}.items()])
 
 
-def check_against_sim(model_name, method, overrides, kwargs, prompt, decoded, batch=1):
-    model, _ = load_model(model_name)
+def runtime_cases():
+    cases = [(m, o, {}) for m in METHODS for o in VARIANTS.get(m, [{}])] + RUNTIME_VARIANTS
+    for method, overrides, kwargs in cases:
+        for model in RUNTIME_MODELS:
+            yield pytest.param(method, overrides, kwargs, model, id=f"{case_id(method, overrides, kwargs)}-{model}")
+
+
+def check_against_sim(model_name, method, overrides, kwargs, prompt, decoded, dtype=None, tol=TOL, batch=1):
+    model, _ = load_model(model_name, dtype)
     ids = sample_ids(model_name, prompt + decoded) if batch == 1 else random_ids(prompt + decoded,
                                                                                  model.config.vocab_size, batch)
     sim_m = method_from_conf(method, **overrides)
-    sim = runtime.sim_logits(model, sim_m, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
+    sim = modes.sim_logits(model, sim_m, ids, dense_rows=prompt)[:, prompt - 1 : -1].log_softmax(-1)
     dec_m = method_from_conf(method, **overrides)
     dec, report = teacher_forced_logits(model, dec_m, ids, prompt, **kwargs)
-    torch.testing.assert_close(dec.log_softmax(-1), sim, atol=TOL, rtol=0)
+    diff = float((dec.log_softmax(-1) - sim).abs().max())
+    assert diff <= tol, f"max |delta log-prob| {diff:.3g} > {tol}"
     assert dec_m.stats.summary()["kv_fraction"] == pytest.approx(sim_m.stats.summary()["kv_fraction"], abs=1e-6)
-    return report
+    return report, diff
 
 
-@pytest.mark.parametrize("model_name", ["tiny-opt", "tiny-llama-gqa"])
-@pytest.mark.parametrize("method,overrides,kwargs", CASES, ids=[case_id(*c) for c in CASES])
+@pytest.mark.parametrize("method,overrides,kwargs,model_name", list(runtime_cases()))
 def test_runtime_equals_sim(method, overrides, kwargs, model_name):
-    report = check_against_sim(model_name, method, overrides, kwargs, PROMPT, DECODED)
+    report, _ = check_against_sim(model_name, method, overrides, kwargs, PROMPT, DECODED, dtype="float64",
+                                  tol=TOL64)
     moved = sum(report.h2d_bytes)
-    assert (moved == 0) == (report.kind in ("ideal", "h2o_resident"))
+    assert (moved == 0) == (report.kind == "resident")
 
 
-@pytest.mark.parametrize("method,overrides", [("offload", {}), ("quant", {}), ("h2o", {}), ("infinigen", {}),
-                                              ("infinigen", {"capacity": 0.8})])
+@pytest.mark.parametrize("method", ["offload", "h2o", "infinigen"])
+def test_runtime_equals_sim_float32(method):
+    check_against_sim("tiny-llama-gqa", method, {}, {}, PROMPT, DECODED)
+
+
+@pytest.mark.parametrize("method,overrides", [("offload", {}), ("quant", {}), ("h2o", {}), ("streaming", {}),
+                                              ("infinigen", {}), ("infinigen", {"capacity": 0.8}), ("oracle", {}),
+                                              ("random_topk", {})])
 def test_cuda_code_path_on_cpu_gives_the_same_run(method, overrides):
     """What runs on CUDA, run on CPU: host work on a worker thread (futures per layer) and/or fetched rows landing
     in the alternating staging slots (the current token's row dropped into its slot, gathered rows scattered to
@@ -71,6 +81,31 @@ def test_cuda_code_path_on_cpu_gives_the_same_run(method, overrides):
         out, b = teacher_forced_logits(model, method_from_conf(method, **overrides), ids, PROMPT, **kwargs)
         assert torch.equal(ref, out), kwargs
         assert a.fetch_log == b.fetch_log, kwargs
+
+
+def test_speculation_at_attention_end_runs_the_same_selection():
+    """A method whose selection for layer i is known once layer i-1's attention has been added to the residual
+    stream: the runtime starts its gather at that point (after layer i-1's attention, before its MLP), and the
+    run equals the one speculating at the attention's start."""
+    from infinigen.infinigen_method.infinigen import InfiniGen
+
+    class AtAttentionEnd(InfiniGen):
+        speculation_point: ClassVar[str] = "attention_end"
+
+    model, _ = load_model("tiny-llama-gqa", "float64")
+    ids = random_ids(PROMPT + DECODED, model.config.vocab_size, batch=2)
+    settings = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "method" / "infinigen.yaml"))
+    settings.pop("_target_")
+    settings["calib_data_dir"] = DATA_DIR
+    start, a = teacher_forced_logits(model, InfiniGen(**settings), ids, PROMPT)
+    rt = OffloadRuntime(model, AtAttentionEnd(**settings))
+    b = rt.generate(ids[:, :PROMPT], DECODED, teacher=ids[:, PROMPT:], keep_logits=True)
+    assert torch.equal(start, b.logits[:, :-1])
+    assert a.fetch_log == b.fetch_log
+    marks = [name for name, _, _ in rt.timer.steps[-1]]
+    spec = marks.index("spec0")
+    between = marks[spec - 1 : marks.index("ffn0", spec) + 1]  # after layer i-1's attention, before its MLP
+    assert between[0] == "attn1" and "spec1" in between and "attn0" not in between
 
 
 # ----------------------------------------------------------------------------------------------- bytes
@@ -119,7 +154,7 @@ def test_infinigen_moves_exactly_the_selected_rows(model_name):
     b = 2
     ids = random_ids(PROMPT + DECODED, model.config.vocab_size, batch=b, seed=1)
     plain = method_from_conf("infinigen")
-    runtime.decode_logits(model, plain, ids, dense_rows=PROMPT)
+    modes.decode_logits(model, plain, ids, dense_rows=PROMPT)
     selected = plain.stats.sums["selected"]  # layer -> sum over steps and batch rows of the tokens selected
     _, report = teacher_forced_logits(model, method_from_conf("infinigen"), ids, PROMPT)
     moved = {}
@@ -152,76 +187,15 @@ def test_h2o_moves_its_budget():
     assert max(expected) <= method.budget(PROMPT + DECODED) + 1
 
 
-# ----------------------------------------------------------------------------------------------- padding
-
-
-def padded_batch(model, prompt=40, decoded=16, pad=13):
-    ids = random_ids(prompt + decoded, model.config.vocab_size, batch=2, seed=3)
-    ids[1, :pad] = 0
-    mask = torch.ones(2, prompt, dtype=torch.long)
-    mask[1, :pad] = 0
-    return ids, mask, prompt, pad
-
-
-PADDED = [("full", {}), ("offload", {}), ("quant", {}), ("infinigen", {}), ("infinigen", {"copies": True})]
-
-
-@pytest.mark.parametrize("model_name", ["tiny-opt", "tiny-llama-gqa"])
-@pytest.mark.parametrize("method,kwargs", PADDED, ids=[case_id(m, {}, k) for m, k in PADDED])
-def test_left_padded_rows_equal_their_own_runs(method, kwargs, model_name):
-    model, _ = load_model(model_name)
-    ids, mask, prompt, pad = padded_batch(model)
-    both, _ = teacher_forced_logits(model, method_from_conf(method), ids, prompt, attention_mask=mask, **kwargs)
-    short, _ = teacher_forced_logits(model, method_from_conf(method), ids[1:, pad:], prompt - pad, **kwargs)
-    long, _ = teacher_forced_logits(model, method_from_conf(method), ids[:1], prompt, **kwargs)
-    # batch shape changes matmul rounding (~1e-7), which a quantiser can turn into one code step: contract TOL
-    torch.testing.assert_close(both[1:].log_softmax(-1), short.log_softmax(-1), atol=TOL, rtol=0)
-    torch.testing.assert_close(both[:1].log_softmax(-1), long.log_softmax(-1), atol=TOL, rtol=0)
-
-
-def test_infinigen_never_selects_padding(monkeypatch):
-    model, _ = load_model("tiny-llama-gqa")
-    _, hk, _, _ = shapes(model)
-    ids, mask, prompt, pad = padded_batch(model)
-    gathered = []
-    original = HostPool.gather_job
-
-    def spy(self, src_idx, dest, slot):
-        gathered.append((self.bh, src_idx.clone()))
-        return original(self, src_idx, dest, slot)
-
-    monkeypatch.setattr(HostPool, "gather_job", spy)
-    teacher_forced_logits(model, method_from_conf("infinigen"), ids, prompt, attention_mask=mask)
-    assert gathered
-    padded_rows = 0
-    for bh, idx in gathered:
-        slot, row = idx // bh, (idx % bh) // hk  # capacity 1: a pool slot is the token's cache position
-        assert bool((slot[row == 1] >= pad).all()), "a padding entry was selected"
-        padded_rows += int((row == 1).sum())
-    assert padded_rows > 0
-
-
-def test_ragged_batches_that_cannot_share_a_cache_are_refused():
-    model, _ = load_model("tiny-llama-gqa")
-    ids, mask, prompt, _ = padded_batch(model)
-    for method, overrides in (("h2o", {}), ("infinigen", {"capacity": 0.8})):
-        with pytest.raises(ValueError, match="padded|length"):
-            teacher_forced_logits(model, method_from_conf(method, **overrides), ids, prompt, attention_mask=mask)
-    right = torch.ones_like(mask)
-    right[1, -3:] = 0
-    with pytest.raises(ValueError, match="left padding"):
-        teacher_forced_logits(model, method_from_conf("offload"), ids, prompt, attention_mask=right)
-
-
-def test_resolve_kind():
-    assert resolve_kind(method_from_conf("full")) == "ideal"
-    assert resolve_kind(method_from_conf("offload"), "ideal") == "ideal"
-    assert resolve_kind(method_from_conf("h2o"), resident_h2o=True) == "h2o_resident"
-    for method, runtime_name in (("oracle", "auto"), ("streaming", "auto"), ("infinigen", "ideal"), ("full", "gpu")):
-        with pytest.raises(ValueError):
-            resolve_kind(method_from_conf(method), runtime_name)
-    with pytest.raises(ValueError, match="speculate_from"):
-        resolve_kind(method_from_conf("infinigen", speculate_from="current"))
+def test_run_kind():
+    """Where each method's KV goes, decided from its declaration alone (no model needed)."""
+    kinds = {name: run_kind(method_from_conf(name)) for name in METHODS}
+    assert kinds["full"] == "resident" and kinds["offload"] == "held" and kinds["infinigen"] == "gather"
+    assert kinds["oracle"] == "gather" and kinds["streaming"] == "held" and kinds["quant"] == "held"
+    assert run_kind(method_from_conf("full"), "offload") == "held"
+    assert all(run_kind(method_from_conf(name), "ideal") == "resident" for name in METHODS)
+    with pytest.raises(ValueError, match="runtime"):
+        run_kind(method_from_conf("full"), "gpu")
 
 
 # ----------------------------------------------------------------------------------------------- link model
@@ -261,7 +235,7 @@ def test_latency_task_reports_what_it_measured():
         assert row["modelled_decode_ms_per_token"] >= row["compute_ms"] - 1e-9
         assert row["modelled_transfer_ms_per_token"] == pytest.approx(row["h2d_bytes_per_token"] / 25e9 * 1e3)
         assert row["peak_device_bytes"] is None  # CPU: nothing measured, nothing invented
-    assert rows["full"]["h2d_bytes_per_token"] == 0 and rows["full"]["runtime"] == "ideal"
+    assert rows["full"]["h2d_bytes_per_token"] == 0 and rows["full"]["runtime"] == "resident"
     assert 0 < rows["infinigen"]["h2d_bytes_per_token"] < rows["offload"]["h2d_bytes_per_token"]
     assert rows["infinigen"]["kv_fraction"] < 1
     assert rows["offload"]["kv_fraction"] == 1
@@ -269,7 +243,7 @@ def test_latency_task_reports_what_it_measured():
 
 @pytest.mark.parametrize("bad", [{"batch_size": 0}, {"prompt_len": 1}, {"gen_len": 4, "warmup": 4},
                                  {"link_gbps": 0}, {"link_gbps": "fast"}, {"runtime": "gpu"},
-                                 {"resident_h2o": "yes"}, {"prompt": "lorem"}])
+                                 {"prompt": "lorem"}])
 def test_latency_task_validation(bad):
     from experiments import latency
 
@@ -285,8 +259,8 @@ def test_gpu_check_cpu_smoke():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    for row, kind in (("ideal", "ideal"), ("offload", "dense"), ("quant-int4", "quant"), ("h2o", "h2o"),
-                      ("infinigen", "infinigen")):
+    for row, kind in (("ideal", "resident"), ("offload", "held"), ("quant-int4", "held"), ("h2o", "held"),
+                      ("infinigen", "gather")):
         assert sum(line.split()[:2] == [row, kind] for line in lines) == 2, out.stdout
 
 
@@ -299,7 +273,7 @@ def test_runtime_equals_decode_mode_smollm2(method):
     prompt, decoded = 256, 32
     ids = sample_ids("smollm2-135m", prompt + decoded)
     plain_m, ours_m = method_from_conf(method), method_from_conf(method)
-    plain = runtime.decode_logits(model, plain_m, ids, dense_rows=prompt).log_softmax(-1)
+    plain = modes.decode_logits(model, plain_m, ids, dense_rows=prompt).log_softmax(-1)
     ours, _ = teacher_forced_logits(model, ours_m, ids, prompt)
     torch.testing.assert_close(ours.log_softmax(-1), plain, atol=TOL, rtol=0)
     assert ours_m.stats.summary()["kv_fraction"] == pytest.approx(plain_m.stats.summary()["kv_fraction"], abs=1e-6)

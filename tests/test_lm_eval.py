@@ -16,8 +16,8 @@ from baselines.full import Full
 from conftest import METHODS, ROOT, load_model, method_from_conf
 from experiments import lm_eval as le
 from infinigen import adapter
-from infinigen.method import KVMethod
-from infinigen.runtime import sim_logits
+from infinigen.contract import KVMethod
+from infinigen.modes import sim_logits
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from experiments.data import file_sha256
+from infinigen.corpora import file_sha256
 
 TASKS_DIR = Path(__file__).resolve().parent
 

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.method import logits
-from infinigen.selective import SelectiveAttention
-from infinigen.skew import Skew, calibrate
+from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
+from infinigen.adapter import Session, encode, tokenizer_of
+from infinigen.infinigen_method.selective_attention import SelectiveAttention
+from infinigen.infinigen_method.skew import Skew, calibrate
 
 SPECULATE_FROM = ("previous", "current")
 PARTIAL_SELECT = ("q", "qk")
@@ -56,15 +56,17 @@ class InfiniGen(SelectiveAttention):
             raise ValueError("skip_layers must be >= 1: layer 0 has no previous layer to speculate from")
         if self.calib_tokens < 16:
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
-        from experiments.data import check_dataset
-
         check_dataset(self.calibration, self.calib_data_dir)
         self.skewing: Skew | None = None
 
+    @property
+    def speculation_point(self) -> str:
+        """The selection for layer i is known once layer i-1's attention starts (its input is the speculation's);
+        speculating from the layer's own input needs that layer's turn (a synchronous gather)."""
+        return "attention_start" if self.speculate_from == "previous" else "query"
+
     # ------------------------------------------------------------------ calibration
     def bind(self, session: Session) -> None:
-        from experiments.data import identity, without_paths
-
         model = session.model
         keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")
         settings = {k: asdict(self)[k] for k in keys}
@@ -77,38 +79,22 @@ class InfiniGen(SelectiveAttention):
         )
 
     def _calibration_ids(self, model) -> torch.Tensor:
-        from experiments.data import corpus_text
-        from experiments.ppl import encode
-
-        from infinigen.adapter import tokenizer_of
-
         ids = encode(tokenizer_of(model), corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
         limit = min(self.calib_tokens, getattr(model.config, "max_position_embeddings", self.calib_tokens))
         return ids[:limit][None].to(model.device)
 
     # ------------------------------------------------------------------ speculation
     def score_queries(self, session, layer, q):
-        """Layer i's partial query, computed from layer i-1's attention input: (b, h_kv, g, t, d), unkept
-        columns zero. `q` (the true query) is deliberately unused unless speculate_from == "current"."""
+        """Layer i's partial query, computed from layer i-1's attention input: (b, h_kv, g, t, r), the kept
+        columns only. `q` (the true query) is deliberately unused unless speculate_from == "current"."""
         source = layer.index - 1 if self.speculate_from == "previous" else layer.index
         x = session.attn_inputs[source]  # (b, t, hidden)
         spec = layer.queries(x, session.position_embeddings)  # (b, h, t, d): rotated at the current positions
         b, h, t, d = spec.shape
-        return self.skewing.partial(spec.view(b, layer.num_kv_heads, layer.groups, t, d), layer.index)
+        return self.skewing.compact(spec.view(b, layer.num_kv_heads, layer.groups, t, d), layer.index)
 
     def score_keys(self, layer, k):
-        return self.skewing.partial(k, layer.index)  # (b, h_kv, s, d): the partial key cache
-
-    def stored_score_keys(self, layer, store):
-        return store.entries["partial_keys"]
-
-    def sync_store(self, layer, store):
-        fresh = store.stored - (store.entries["partial_keys"].shape[2] if "partial_keys" in store.entries else 0)
-        if fresh:
-            new = self.score_keys(layer, store.keys[:, :, -fresh:])
-            old = store.entries.get("partial_keys")
-            store.entries["partial_keys"] = new if old is None else torch.cat([old, new], dim=2)
-        super().sync_store(layer, store)
+        return self.skewing.compact(k, layer.index)  # (b, h_kv, s, r): the partial key cache
 
     def partial_columns(self) -> list[int]:
         """Columns kept per KV head, per layer (for byte accounting)."""

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.method import KVMethod, attend, logits
-from infinigen.selection import EVICTION, GQA_REDUCE, pool_limit, select, victim
+from infinigen.contract import GatheringMethod, attend, logits
+from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
 
 
 @dataclass
-class SelectiveAttention(KVMethod):
+class SelectiveAttention(GatheringMethod):
     alpha: float = math.inf
     budget: float = 0.2
     max_num_kv: int | None = None
@@ -27,6 +28,8 @@ class SelectiveAttention(KVMethod):
     skip_layers: int = 1
     gqa_reduce: str = "prob_sum"
     track_recall: bool = True
+
+    size_params: ClassVar[tuple[str, ...]] = ("alpha", "budget", "max_num_kv")
 
     def __post_init__(self):
         super().__post_init__()
@@ -54,22 +57,32 @@ class SelectiveAttention(KVMethod):
         """(b, h_kv, s, d) keys -> (b, h_kv, s, d) vectors the rows' score vectors are dotted with."""
         raise NotImplementedError
 
-    def stored_score_keys(self, layer: AttentionLayer, store: KVStore) -> torch.Tensor:
-        return self.score_keys(layer, store.keys)
-
     def sync_store(self, layer: AttentionLayer, store: KVStore) -> None:
-        """Bring per-entry state up to date with newly appended entries."""
+        """Bring per-entry state up to date with newly appended entries: their score keys (what `select` ranks
+        them by, kept beside the KV so selection never needs the KV itself), fetch counter and last use."""
         fresh = store.stored - (store.entries["count"].shape[2] if "count" in store.entries else 0)
         if fresh:
             tail = store.positions[:, :, -fresh:]
-            for name, value in (("count", torch.zeros_like(tail)), ("last", tail.clone())):
-                store.entries[name] = value if name not in store.entries else torch.cat([store.entries[name], value], -1)
+            new = {"score_keys": self.score_keys(layer, store.recent_keys(fresh)), "count": torch.zeros_like(tail),
+                   "last": tail.clone()}
+            for name, value in new.items():
+                old = store.entries.get(name)
+                store.entries[name] = value if old is None else torch.cat([old, value], dim=2)
 
     def dense_layer(self, layer: AttentionLayer) -> bool:
         return layer.index < self.skip_layers
 
     def pool_size(self, session: Session) -> int | None:
         return None if self.capacity == 1 else pool_limit(self.capacity, session.max_len)
+
+    def offload_kind(self, layer: AttentionLayer) -> str:
+        return "resident" if self.dense_layer(layer) else "gather"
+
+    def max_held(self, max_len: int) -> int:
+        return max_len if self.capacity == 1 else min(max_len, pool_limit(self.capacity, max_len) + 1)
+
+    def max_selected(self, max_len: int) -> int:
+        return max(1, min(self.max_held(max_len), int(budget_cap(self.budget, torch.tensor([max_len]), self.max_num_kv)[0])))
 
     # ------------------------------------------------------------------ sim mode
     rows_per_chunk = 256  # sim rows are processed in chunks against the keys they can see (half the work)
@@ -163,32 +176,31 @@ class SelectiveAttention(KVMethod):
         if limit is not None and store.stored > limit:
             self._evict_store(store, store.stored - limit)
 
-    def decode_attention(self, session, layer, q, store):
-        if self.dense_layer(layer):
-            return super().decode_attention(session, layer, q, store)
-        self.sync_store(layer, store)
-        past = store.stored - 1  # pool entries before the current token (the last entry)
-        row = store.seen - 1
-        keys = self.stored_score_keys(layer, store)[:, :, :past]  # (b, hk, past, d)
+    def select(self, session, layer, q, store, past, position):
+        keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, d)
         scores = torch.matmul(self.score_queries(session, layer, q), keys.unsqueeze(2).transpose(-1, -2))
         scores = scores * layer.logit_scale  # (b, hk, g, 1, past)
-        cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=q.device)
-        keep, n = select(scores, cand, torch.tensor([row], device=q.device), self.alpha, self.budget,
-                         self.gqa_reduce, self.max_num_kv)
-        b, hk = scores.shape[:2]
-        keep = torch.cat([keep, torch.ones(b, hk, 1, 1, dtype=torch.bool, device=q.device)], -1)  # + current
-        out, _ = attend(q, store.keys, store.values, keep, layer.logit_scale)
-        self.stats.add(layer.index, "kv_fraction", keep.sum(-1).float() / store.seen)
-        self.stats.add(layer.index, "selected", n.float())
-        if self.track_recall:
-            self._record_recall(layer, q, store.keys, torch.ones_like(keep), keep)
-        fetched = keep[:, :, 0, :-1]
-        store.entries["count"][..., :past] += fetched
-        store.entries["last"][..., :past].masked_fill_(fetched, row)
+        dev = keys.device
+        cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=dev)
+        keep, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,
+                         self.max_num_kv)
+        return keep[:, :, 0]  # (b, hk, past)
+
+    def before_step(self, session, layer, store):
+        self.sync_store(layer, store)
+
+    def after_step(self, session, layer, q, store, keep):
+        past, position = keep.shape[-1], store.seen - 1
+        self.stats.add(layer.index, "selected", keep.sum(-1)[:, :1].double())
+        if self.track_recall and store.keys is not None:  # needs every key: decode mode only
+            keys = store.kv()[0]
+            mask = torch.cat([keep, keep.new_ones(*keep.shape[:2], 1)], dim=-1)[:, :, None]  # (b, hk, 1, s)
+            self._record_recall(layer, q, keys, torch.ones_like(mask), mask)
+        store.entries["count"][..., :past] += keep
+        store.entries["last"][..., :past].masked_fill_(keep, position)
         limit = self.pool_size(session)
         if limit is not None and store.stored > limit:
             self._evict_store(store, store.stored - limit)
-        return out
 
     def _evict_store(self, store: KVStore, how_many: int) -> None:
         valid = torch.ones_like(store.positions, dtype=torch.bool)

@@ -16,7 +16,8 @@ import math
 import types
 import typing
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,19 +57,37 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.matmul(q.view(b, hk, h // hk, t, d), k.unsqueeze(2).transpose(-1, -2)) * scale
 
 
-@dataclass
 class KVStats:
-    """Per-layer running means of named per-row quantities (kv_fraction, recall, selected, ...)."""
+    """Per-layer running means of named per-row quantities (kv_fraction, recall, selected, ...). `add` keeps each
+    batch's sum as a tensor and reads them only when asked, so recording never waits for the device."""
 
-    sums: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
-    counts: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    def __init__(self):
+        self._sums: dict = defaultdict(lambda: defaultdict(float))
+        self._counts: dict = defaultdict(lambda: defaultdict(int))
+        self._pending: list = []
 
     def add(self, layer: int, name: str, values: torch.Tensor) -> None:
-        self.sums[name][layer] += float(values.double().sum())
-        self.counts[name][layer] += values.numel()
+        self._pending.append((layer, name, values.detach().double().sum(), values.numel()))
+
+    def _settle(self) -> None:
+        for layer, name, total, count in self._pending:
+            self._sums[name][layer] += float(total)
+            self._counts[name][layer] += count
+        self._pending.clear()
+
+    @property
+    def sums(self) -> dict:
+        self._settle()
+        return self._sums
+
+    @property
+    def counts(self) -> dict:
+        self._settle()
+        return self._counts
 
     def per_layer(self, name: str) -> dict[int, float]:
-        return {i: self.sums[name][i] / self.counts[name][i] for i in sorted(self.sums[name]) if self.counts[name][i]}
+        sums, counts = self.sums[name], self.counts[name]
+        return {i: sums[i] / counts[i] for i in sorted(sums) if counts[i]}
 
     def mean(self, name: str) -> float:
         n = sum(self.counts[name].values())
@@ -100,9 +119,25 @@ def check_field_types(method) -> None:
             raise ValueError(f"method.{f.name} must be {allowed}, got {value!r}")
 
 
+# How an offloading runtime (infinigen/offload/) holds a method's KV, declared per layer by `KVMethod.offload_kind`:
+#   resident  on the compute device; the method's own decode step runs there (nothing crosses the link)
+#   held      every entry the method holds lives in a host pool and crosses before the layer's attention
+#             (`codec` says how a row is stored, `max_held` how many entries it ever holds at once)
+#   gather    past entries live in a host pool; `GatheringMethod.select` says which rows cross, at the method's
+#             `speculation_point`; per-entry state (`store.entries`) stays on the device
+OFFLOAD_KINDS = ("resident", "held", "gather")
+# When a gathering method's selection for layer i is known: at the start of layer i-1's attention, at its end
+# (after its residual add, before its MLP), or only from layer i's own query (the gather is synchronous).
+SPECULATION_POINTS = ("attention_start", "attention_end", "query")
+
+
 @dataclass
 class KVMethod:
     """Dense attention over every cached entry: the reference every method is compared with."""
+
+    offload: ClassVar[str] = "held"  # what an offloading runtime does with this method's KV (OFFLOAD_KINDS)
+    # hyperparameters that set how much KV the method keeps or attends: figures place points along them
+    size_params: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         check_field_types(self)
@@ -121,6 +156,22 @@ class KVMethod:
     def store_bytes(self, stores: list[KVStore]) -> int:
         """Bytes the decode-mode cache holds for its KV."""
         return sum(s.nbytes() for s in stores)
+
+    # ------------------------------------------------------------------ what an offloading runtime needs
+    def offload_kind(self, layer: AttentionLayer) -> str:
+        return self.offload
+
+    def codec(self, layer: AttentionLayer, dtype) -> Any:
+        """How a held entry is stored on the host: an object with encode(k, v) -> rows (..., W), decode(rows) ->
+        (k, v), `width` and `dtype` (of the rows); None = K|V in the model's dtype."""
+        return None
+
+    def max_held(self, max_len: int) -> int:
+        """Most entries one layer holds at once (the current token included) in a sequence of max_len tokens."""
+        return max_len
+
+    def attention_end(self, session: Session, layer: AttentionLayer) -> None:
+        """Called when `layer`'s attention output has been added to the residual stream, before its MLP."""
 
     # ------------------------------------------------------------------ sim mode (and decode prefill)
     def sim_keep(self, session: Session, layer: AttentionLayer, q, k, allowed) -> torch.Tensor | None:
@@ -156,14 +207,61 @@ class KVMethod:
     # ------------------------------------------------------------------ decode mode
     def decode_attention(self, session: Session, layer: AttentionLayer, q, store: KVStore) -> torch.Tensor:
         """One decoded token: q (b, h, 1, d); `store` already holds this token's KV."""
-        out, _ = attend(q, store.keys, store.values, None, layer.logit_scale)
+        keys, values = store.kv()
+        out, _ = attend(q, keys, values, None, layer.logit_scale)
         self.record_decode(layer, store, store.stored)
         return out
 
     def record_decode(self, layer: AttentionLayer, store: KVStore, attended) -> None:
-        b = store.keys.shape[0]
+        b = store.positions.shape[0]
         attended = torch.as_tensor(attended, dtype=torch.float32).expand(b, layer.num_kv_heads)
         self.stats.add(layer.index, "kv_fraction", attended / store.seen)
+
+
+@dataclass
+class GatheringMethod(KVMethod):
+    """A method whose decoded rows attend a selection of the past plus themselves. Its decode step is three
+    parts, run back to back in decode mode and split by the offloading runtime (which gathers exactly the
+    selected rows from host memory between `select` and `attend_selected`):
+
+    select(...)           which past entries the current token attends, (b, h_kv, past) bool
+    attend_selected(...)  attention over them + the current token, statistics, then `after_step`
+    after_step(...)       per-entry bookkeeping (counters, eviction) once the step has attended
+    """
+
+    offload: ClassVar[str] = "gather"
+    speculation_point: ClassVar[str] = "query"  # SPECULATION_POINTS: when `select` can run
+
+    def select(self, session: Session, layer: AttentionLayer, q, store: KVStore, past: int, position: int):
+        """keep (b, h_kv, past) bool over the store's first `past` entries (those before the current token) for
+        the token at `position`. q (b, h, 1, d) is the true query, or None when the runtime calls this ahead of
+        the layer (speculation_point != "query"): then only what `session` captured so far may be used."""
+        raise NotImplementedError
+
+    def max_selected(self, max_len: int) -> int:
+        """Most past entries one row and KV head selects in a sequence of max_len tokens (sizes landing buffers)."""
+        return max_len
+
+    def decode_attention(self, session, layer, q, store):
+        if self.offload_kind(layer) != "gather":
+            return super().decode_attention(session, layer, q, store)
+        keep = self.select(session, layer, q, store, past=store.stored - 1, position=store.seen - 1)
+        return self.attend_selected(session, layer, q, store, keep)
+
+    def attend_selected(self, session, layer, q, store: KVStore, keep: torch.Tensor) -> torch.Tensor:
+        """q (b, h, 1, d) attends the `keep`-selected past entries (b, h_kv, past) and itself."""
+        self.before_step(session, layer, store)
+        keys, values, mask = store.selected(keep)
+        out, _ = attend(q, keys, values, mask, layer.logit_scale)
+        self.stats.add(layer.index, "kv_fraction", (keep.sum(-1) + 1).double() / store.seen)
+        self.after_step(session, layer, q, store, keep)
+        return out
+
+    def before_step(self, session, layer, store: KVStore) -> None:
+        """Per-entry state for the current token (already appended to `store`), before it attends."""
+
+    def after_step(self, session, layer, q, store: KVStore, keep: torch.Tensor) -> None:
+        """Bookkeeping once the current token attended `keep`."""
 
 
 def dense_row_mask(t: int, s: int, dense_rows: int, device) -> torch.Tensor:

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 
 from infinigen import adapter
+from infinigen.contract import KVMethod
+from infinigen.modes import sim_logits
 
 
 @dataclass
@@ -36,6 +38,21 @@ class Skew:
             x = torch.einsum("bh...d,hde->bh...e", x, A)
         return x * cols.view(shape)
 
+    def __post_init__(self):
+        # per layer (h_kv, r): each KV head's kept columns first (r = the most any head keeps); a head that keeps
+        # fewer (partial_select=qk) pads with columns `partial` zeroes
+        self.kept = []
+        for cols in self.columns:
+            r = int(cols.sum(-1).max())
+            self.kept.append(torch.argsort(cols, dim=-1, descending=True, stable=True)[:, :r])
+
+    def compact(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x (b, h_kv, ..., d) -> skewed, only the kept columns: (b, h_kv, ..., r). Dot products between compact
+        vectors equal those between `partial` ones; the partial key cache stays r/d of the keys' size."""
+        idx = self.kept[layer]
+        shape = (1, idx.shape[0]) + (1,) * (x.dim() - 3) + (idx.shape[1],)
+        return self.partial(x, layer).gather(-1, idx.view(shape).expand(*x.shape[:-1], idx.shape[1]))
+
     def num_columns(self, layer: int) -> torch.Tensor:
         return self.columns[layer].sum(-1)  # (h_kv,)
 
@@ -43,9 +60,6 @@ class Skew:
 @torch.inference_mode()
 def capture_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (q (h, t, d), k (h_kv, t, d)) exactly as the attention sees them, from a dense forward."""
-    from infinigen.method import KVMethod
-    from infinigen.runtime import sim_logits
-
     captured = {}
 
     class Capture(KVMethod):

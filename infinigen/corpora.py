@@ -176,24 +176,6 @@ def identity(spec: str, data_dir: str | None) -> dict:
             "revision": corpus.revision, "sha256": None}
 
 
-def data_identity(cfg) -> dict:
-    """The data a run reads (a (model, method, task) config with data_dir): the task's corpus or lm-eval task files
-    and the method's calibration text. Goes into every row; `without_paths` of it goes into the config hash."""
-    task, data_dir = cfg.task, cfg.get("data_dir")
-    out: dict = {}
-    if task.name == "ppl" or (task.name == "latency" and (task.get("prompt") == "text"
-                                                            or (task.get("prompt") == "auto" and data_dir))):
-        out = identity(task.dataset, data_dir)
-    elif task.name == "lm_eval":
-        from experiments.lm_eval_tasks import tasks_identity
-
-        out = tasks_identity(list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks], data_dir,
-                             task.get("include_path"))
-    if cfg.method.get("calibration"):
-        out["calibration"] = identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
-    return out
-
-
 def without_paths(value):
     """A data identity with every file location dropped: moving the same data elsewhere keeps the config hash."""
     if isinstance(value, dict):

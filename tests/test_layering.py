@@ -1,0 +1,98 @@
+"""The layers import downward only, at the top of a module or inside a function (where a cycle would hide).
+
+A downward import inside a function is allowed only in the modules listed in LAZY: their `validate` runs before
+any model loads and must refuse bad input in seconds, so they import torch-heavy layers only where they run.
+
+Read from the source with `ast`: nothing is imported, so a violation is found even in code no test runs.
+"""
+
+import ast
+
+import pytest
+
+from conftest import ROOT
+
+# bottom to top; a module belongs to the layer of its longest matching prefix
+LAYERS = [
+    ("framework", ["infinigen.adapter", "infinigen.contract", "infinigen.corpora"]),  # model access, contract, data
+    ("runtimes", ["infinigen.modes", "infinigen.offload"]),  # sim/decode driver, offloading runtime
+    ("methods", ["infinigen.infinigen_method", "baselines"]),
+    ("experiments", ["experiments", "analysis.store"]),  # tasks and the runner, which writes the results store
+    ("analysis", ["analysis"]),
+    ("entry", ["run"]),
+]
+PACKAGES = ("infinigen", "baselines", "experiments", "analysis")
+# modules that import lower layers inside functions on purpose (fast validation); never upward
+LAZY = {"experiments.runner", "experiments.ppl", "experiments.latency", "experiments.lm_eval",
+        "experiments.needle", "infinigen.adapter"}
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), rank)
+    return None if best is None else best[1]
+
+
+def project_modules() -> list:
+    files = [ROOT / "run.py"] + [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    return [(module_name(p), p) for p in files]
+
+
+def imports(path):
+    """(imported module, line, inside a function) for every import of a project module (`from pkg import mod`
+    counts as importing pkg.mod)."""
+    known = {m for m, _ in project_modules()}
+    tree = ast.parse(path.read_text(), filename=str(path))
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES + ("run",) and layer_of(name) is not None:
+                yield name, node.lineno, id(node) in nested
+
+
+def test_every_module_has_a_layer():
+    assert [m for m, _ in project_modules() if layer_of(m) is None and m not in PACKAGES] == []
+
+
+LAYERED = [(m, p) for m, p in project_modules() if m not in PACKAGES]
+
+
+@pytest.mark.parametrize("module,path", LAYERED, ids=[m for m, _ in LAYERED])
+def test_imports_go_downward(module, path):
+    own = layer_of(module)
+    bad = []
+    for name, line, in_function in imports(path):
+        other = layer_of(name)
+        if other > own:
+            bad.append(f"line {line}: {name} ({LAYERS[other][0]}) is above {module} ({LAYERS[own][0]})")
+        elif in_function and other != own and LAYERS[own][0] != "entry" and module not in LAZY:
+            bad.append(f"line {line}: {name} imported inside a function: import it at the top")
+    assert bad == []
+
+
+def test_the_checker_catches_violations(tmp_path, monkeypatch):
+    """An upward import and an in-function cross-layer import in a framework module are both reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import baselines.full\n\ndef f():\n    from infinigen import modes\n")
+    found = [(name, in_function) for name, _, in_function in imports(bad)]
+    assert ("baselines.full", False) in found and ("infinigen.modes", True) in found
+    monkeypatch.setattr("test_layering.module_name", lambda path: "infinigen.adapter")
+    with pytest.raises(AssertionError):
+        test_imports_go_downward("infinigen.adapter", bad)
