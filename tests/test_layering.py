@@ -14,7 +14,7 @@ from conftest import ROOT
 
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS = [
-    ("framework", ["infinigen.adapter", "infinigen.contract", "infinigen.corpora"]),  # model access, contract, data
+    ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora"]),  # model access, contract, data
     ("runtimes", ["infinigen.modes", "infinigen.offload"]),  # sim/decode driver, offloading runtime
     ("methods", ["infinigen.infinigen_method", "baselines"]),
     ("experiments", ["experiments", "analysis.store"]),  # tasks and the runner, which writes the results store
