@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.data import check_dataset, corpus_text
+from infinigen.adapter import check_attention
 from infinigen.runtime import cache_bytes, sim_logits
 
 CHUNK = 256  # positions per bucket of the NLL-vs-position curve (InfiniGen Fig. 12)
@@ -25,6 +26,7 @@ def validate(task, data_dir) -> None:
         raise ValueError(f"task.max_windows must be null or an integer >= 1, got {task.max_windows!r}")
     if not isinstance(task.dense_rows, int) or not 0 <= task.dense_rows < task.seq_len:
         raise ValueError(f"task.dense_rows must be an integer in 0..seq_len-1, got {task.dense_rows!r}")
+    check_attention(task.get("attention", "fused"))  # +task.attention=exact: transformers' eager math
 
 
 def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | None) -> list[tuple[int, int]]:
@@ -55,7 +57,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     for start, first in tqdm(spans, desc=f"ppl {task.dataset}", unit="window"):
         window = ids[start : start + task.seq_len][None].to(device)
         t0 = time.perf_counter()
-        logits = sim_logits(model, method, window, dense_rows=task.dense_rows)
+        logits = sim_logits(model, method, window, dense_rows=task.dense_rows, attention=task.get("attention", "fused"))
         seconds.append(time.perf_counter() - t0)
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none").double()
         pos = torch.arange(1, task.seq_len)  # position of each predicted token

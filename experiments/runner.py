@@ -26,7 +26,8 @@ TASKS = {}
 def task_module(name: str):
     import importlib
 
-    modules = {"ppl": "experiments.ppl", "lm_eval": "experiments.lm_eval", "latency": "experiments.latency"}
+    modules = {"ppl": "experiments.ppl", "lm_eval": "experiments.lm_eval", "latency": "experiments.latency",
+               "needle": "experiments.needle"}
     if name not in modules:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(modules)}")
     return importlib.import_module(modules[name])

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "kv_method"
+ATTENTION_KERNELS = ("fused", "exact")  # sim mode: torch SDPA per row chunk | transformers' eager math
 # model_type -> family. "llama" = RoPE + (optionally) GQA with q/k/v/o_proj; "opt" = learned positions, biases,
 # query scaling folded into q_proj's output.
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
@@ -330,6 +331,7 @@ class Session:
     layers: list[AttentionLayer]
     dense_rows: int = 0
     max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
+    attention: str = "fused"  # kernel of multi-token forwards (sim mode, decode prefill): ATTENTION_KERNELS
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
     position_embeddings: Any = None
@@ -372,13 +374,32 @@ AttentionInterface.register(ATTN_NAME, _attention)
 AttentionMaskInterface.register(ATTN_NAME, _mask)
 
 
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+
+
 @contextmanager
-def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0):
+def attn_implementation(model, name: str):
+    """The model's own attention ("eager", "sdpa", ...) for the block: the reference forwards benchmarks time."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
+def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0,
+            attention: str = "fused"):
     """Route every attention layer of `model` through `method` until the block exits."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
+    check_attention(attention)
     layers = attention_layers(model)
-    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len)
+    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len,
+                      attention=attention)
     previous = model.config._attn_implementation
     handles = []
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.method import KVMethod, attend, logits
+from infinigen.method import KVMethod, attend, logits, row_chunks, sim_attend
 from infinigen.selection import EVICTION, GQA_REDUCE, pool_limit, select, victim
 
 
@@ -72,8 +72,6 @@ class SelectiveAttention(KVMethod):
         return None if self.capacity == 1 else pool_limit(self.capacity, session.max_len)
 
     # ------------------------------------------------------------------ sim mode
-    rows_per_chunk = 256  # sim rows are processed in chunks against the keys they can see (half the work)
-
     def forward_attention(self, session, layer, q, k, v, allowed):
         if session.mode == "decode" or self.dense_layer(layer):
             return super().forward_attention(session, layer, q, k, v, allowed)
@@ -83,8 +81,7 @@ class SelectiveAttention(KVMethod):
         limit = self.pool_size(session)
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
         outs = []
-        for r0 in range(0, t, self.rows_per_chunk):
-            r1 = min(t, r0 + self.rows_per_chunk)
+        for r0, r1 in row_chunks(t):  # each chunk against the keys its rows can see (half the work)
             outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool))
         return torch.cat(outs, dim=2)
 
@@ -103,9 +100,9 @@ class SelectiveAttention(KVMethod):
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
         decoded = rows >= session.dense_rows
         keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
-        out, _ = attend(q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
+        out = sim_attend(session, q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
         if bool(decoded.any()):
-            self.record_sim(session, layer, keep[:, :, decoded], allowed[:, :, decoded], dense_rows=0)
+            self.record_sim(session, layer, keep, allowed, rows)
             self.stats.add(layer.index, "selected", n[:, decoded].float())
             if self.track_recall:
                 self._record_recall(layer, q[:, :, r0:r1][:, :, decoded], k[:, :, :r1],
