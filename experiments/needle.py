@@ -77,10 +77,20 @@ def filler_ids(tokenize, filler: str, data_dir: str | None, n: int, seed: int) -
     return ids
 
 
+def question_and_answer(tokenize, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The question's tokens and the key's. Tokenizers that write " 60494" as a space token + digits get the
+    space token at the end of the question, so that only the key's digits are scored (at the end of a prompt the
+    model may well continue "The pass key is" with another word, and then give the right digits)."""
+    question, answer, space = tokenize(QUESTION), tokenize(" " + key), tokenize(" ")
+    if space.numel() == 1 and answer.numel() > 1 and answer[0] == space[0]:
+        return torch.cat([question, space]), answer[1:]
+    return question, answer
+
+
 def build_prompt(tokenize, length: int, depth: float, key: str, filler: torch.Tensor) -> Prompt:
     """Instruction + filler with the needle at `depth` of the filler + question: exactly `length` tokens."""
-    head, question = tokenize(INSTRUCTION), tokenize(QUESTION)
-    needle, key_ids = tokenize(NEEDLE.format(key=key)), tokenize(" " + key)
+    head, (question, key_ids) = tokenize(INSTRUCTION), question_and_answer(tokenize, key)
+    needle = tokenize(NEEDLE.format(key=key))
     room = length - head.numel() - question.numel() - needle.numel()  # filler tokens in the prompt
     if room < 0:
         raise ValueError(f"length {length} is shorter than the instruction, needle and question")

@@ -31,13 +31,13 @@ def test_prompt_has_exact_length_and_needle_at_depth(length, depth):
     filler = needle.filler_ids(tokenize, "repeat", None, length, seed=3)
     p = needle.build_prompt(tokenize, length, depth, key, filler)
     assert p.ids.numel() == length
-    head, question = tokenize(needle.INSTRUCTION), tokenize(needle.QUESTION)
+    head, question = tokenize(needle.INSTRUCTION), tokenize(needle.QUESTION + " ")  # the key's space ends it
     assert torch.equal(p.ids[: head.numel()], head)
     assert torch.equal(p.ids[-question.numel():], question)  # the question ends the prompt
     assert torch.equal(p.ids[p.needle_start : p.needle_end], tokenize(needle.NEEDLE.format(key=key)))
     room = length - head.numel() - question.numel() - (p.needle_end - p.needle_start)
     assert p.needle_start - head.numel() == round(depth * room)  # the needle's share of the filler before it
-    assert torch.equal(p.key_ids, tokenize(" " + key))
+    assert torch.equal(p.key_ids, tokenize(key))  # only the digits are scored
     assert key in bytes(p.ids.tolist()).decode()
 
 
@@ -63,8 +63,8 @@ def test_score_is_teacher_forced_greedy_exact_match():
     from infinigen import runtime
 
     model, _ = load_model("tiny-llama")
-    filler = needle.filler_ids(tokenize, "repeat", None, 200, seed=0)
-    prompt = needle.build_prompt(tokenize, 200, 0.5, needle.make_key(0, 5), filler)
+    filler = needle.filler_ids(tokenize, "repeat", None, 400, seed=0)
+    prompt = needle.build_prompt(tokenize, 400, 0.5, needle.make_key(0, 5), filler)
     greedy = runtime.greedy_generate(model, method_from_conf("full"), prompt.ids[None], prompt.key_ids.numel())
     answer = greedy[0, prompt.ids.numel():]
     # a prompt whose key is what the model answers anyway: exact must be True there, and False for the real key
