@@ -97,7 +97,8 @@ def test_no_quadratic_float_tensor(method_name, mode, small_chunks):
 
 def test_full_ppl_equals_plain_transformers(small_chunks, data_dir):
     """The ppl task through `full` (fused kernel, several chunks per window) scores exactly what the model's own
-    SDPA forward predicts on the same windows (float64; its eager forward runs the softmax in fp32)."""
+    SDPA forward predicts on the same windows (float64 model; its eager forward runs the softmax in fp32). sim_logits
+    hands logits out in float32, so they are compared at that resolution (1 ulp of a logit near 1 is 6e-8)."""
     from omegaconf import OmegaConf
 
     from experiments import ppl
@@ -112,8 +113,8 @@ def test_full_ppl_equals_plain_transformers(small_chunks, data_dir):
         window = ids[start : start + task.seq_len][None]
         with torch.inference_mode(), adapter.attn_implementation(model, "sdpa"):
             plain = model(window, use_cache=False).logits.double()
-        torch.testing.assert_close(runtime.sim_logits(model, method_from_conf("full"), window).double(), plain,
-                                   atol=1e-9, rtol=0)
+        ours = runtime.sim_logits(model, method_from_conf("full"), window)
+        torch.testing.assert_close(ours, plain.float(), atol=1e-7, rtol=0)
         nll.append(torch.nn.functional.cross_entropy(plain[0, :-1], window[0, 1:], reduction="none"))
     result = ppl.run(model, None, method_from_conf("full"), task, data_dir)
-    assert result["nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-9)
+    assert result["nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-7)
