@@ -11,7 +11,7 @@ import torch
 
 from baselines.streaming import check_budget, index_of, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend, logits
+from infinigen.contract import KVMethod, attend, logits, row_chunks
 
 REDUCE = {
     "sum": lambda p: p.sum(2),  # total attention mass the entry received from its query-head group
@@ -93,18 +93,20 @@ class H2O(KVMethod):
         return cand_acc.topk(n, dim=-1, largest=False).indices
 
     # ------------------------------------------------------------------ sim mode
-    def sim_keep(self, session, layer, q, k, allowed):
-        """Replays the decode-mode eviction row by row on logits computed once for the whole sequence. Per row
-        only (b, h_kv, g, t)-sized ops run: evicted entries are masked by an additive bias and carry +inf
-        accumulated attention, so candidates are simply the prefix before the window."""
+    def sim_state(self, session, layer, q, k, v, allowed):
+        """Replays the decode-mode eviction row by row; returns last_row (b, h_kv, s), the last query row that
+        attends each entry (t = never evicted). Logits are computed one chunk of rows at a time, (b, h_kv, g,
+        chunk, <= s), so memory stays linear in t; per row only (b, h_kv, g, t)-sized ops run: evicted entries
+        are masked by an additive bias and carry +inf accumulated attention, so candidates are simply the
+        prefix before the window."""
         b, hk, t, s = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
         if s != t:
             raise ValueError(f"H2O sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
         n_dense = min(session.dense_rows, t)
-        scores = logits(q, k, layer.logit_scale)  # (b, hk, g, t, s), every row at once
-        masked = torch.finfo(scores.dtype).min
+        scale = layer.logit_scale
+        masked = torch.finfo(q.dtype).min
         acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
-        bias = torch.zeros(b, hk, 1, s, dtype=scores.dtype, device=q.device)  # 0 = held, `masked` = evicted
+        bias = torch.zeros(b, hk, 1, s, dtype=q.dtype, device=q.device)  # 0 = held, `masked` = evicted
         last_row = torch.full((b, hk, s), t, device=q.device)  # last query row that attends each entry
         held = 0
 
@@ -117,20 +119,32 @@ class H2O(KVMethod):
                 last_row.scatter_(-1, drop, row)
             return held - n
 
-        if n_dense:  # the dense prefill: accumulate its rows, then one bulk eviction (as after_prefill does)
-            rows = scores[:, :, :, :n_dense, :n_dense].masked_fill(~allowed[:, :, None, :n_dense, :n_dense], masked)
-            acc[..., :n_dense] += self.reduce(torch.softmax(rows, dim=-1, dtype=torch.float32)).sum(-2)
+        # the dense prefill: accumulate its rows chunk by chunk, then one bulk eviction (as after_prefill does)
+        for r0, r1 in row_chunks(n_dense):
+            sc = logits(q[:, :, r0:r1], k[:, :, :n_dense], scale)  # (b, hk, g, r, n_dense)
+            sc = sc.masked_fill(~allowed[:, :, None, r0:r1, :n_dense], masked)
+            acc[..., :n_dense] += self.prefill_mass(torch.softmax(sc, dim=-1, dtype=torch.float32))
+        if n_dense:
             held = n_dense
             held = evict(n_dense, n_dense - 1)
         with one_thread() if q.device.type == "cpu" else nullcontext():
-            for row in range(n_dense, t):
-                seen = row + 1
-                held += 1
-                sc = scores[:, :, :, row, :seen] + bias[..., :seen]  # (b, hk, g, seen)
-                acc[..., :seen] += self.reduce(torch.softmax(sc, dim=-1, dtype=torch.float32))
-                held = evict(seen, row)
-        rows = torch.arange(t, device=q.device)[:, None]
-        return (rows >= rows.T) & (rows <= last_row[:, :, None, :])  # (b, hk, t, s): causal, not yet evicted
+            for r0, r1 in row_chunks(t - n_dense):
+                r0, r1 = r0 + n_dense, r1 + n_dense
+                scores = logits(q[:, :, r0:r1], k[:, :, :r1], scale)  # (b, hk, g, r, r1)
+                for i, row in enumerate(range(r0, r1)):
+                    seen = row + 1
+                    held += 1
+                    sc = scores[:, :, :, i, :seen] + bias[..., :seen]  # (b, hk, g, seen)
+                    acc[..., :seen] += self.reduce(torch.softmax(sc, dim=-1, dtype=torch.float32))
+                    held = evict(seen, row)
+        return last_row
+
+    def sim_keep(self, session, layer, last_row, rows, s):
+        cols = torch.arange(s, device=rows.device)
+        return (rows[:, None] >= cols) & (rows[:, None] <= last_row[:, :, None, :s])  # (b, hk, r, s)
+
+    def prefill_mass(self, probs):
+        return self.reduce(probs).sum(-2)  # (b, h_kv, g, r, s) -> (b, h_kv, s)
 
     # ------------------------------------------------------------------ decode mode
     def evict(self, store: KVStore) -> None:
@@ -141,8 +155,8 @@ class H2O(KVMethod):
             keep = torch.ones_like(acc, dtype=torch.bool).scatter_(-1, drop, False)
             store.keep(index_of(keep))  # gathers entries["acc"] too
 
-    def after_prefill(self, session, layer, store, q, probs) -> None:
-        store.entries["acc"] = self.reduce(probs).sum(-2)  # (b, h_kv, s): summed over the prefill rows
+    def after_prefill(self, session, layer, store, q, mass) -> None:
+        store.entries["acc"] = mass  # (b, h_kv, s): prefill_mass summed over the prefill rows
         self.evict(store)
 
     def decode_attention(self, session, layer, q, store):

@@ -161,17 +161,15 @@ class Quant(KVMethod):
     def codec(self, layer, dtype) -> QuantCodec:
         return QuantCodec(layer.head_dim, self.bits, self.group(layer.head_dim), dtype)
 
-    def forward_attention(self, session, layer, q, k, v, allowed):
-        if session.mode == "decode":  # dense fp prefill; the store keeps its codes
-            return super().forward_attention(session, layer, q, k, v, allowed)
-        t, s = q.shape[2], k.shape[2]
-        n_dense = min(max(session.dense_rows - (s - t), 0), t)
-        scale, group = layer.logit_scale, self.group(layer.head_dim)
-        outs = []
-        if n_dense:
-            outs.append(attend(q[:, :, :n_dense], k, v, allowed[..., :n_dense, :], scale)[0])
-        if n_dense < t:
-            kq, vq = fake_quantize(k, self.bits, group), fake_quantize(v, self.bits, group)
-            outs.append(attend(q[:, :, n_dense:], kq, vq, allowed[..., n_dense:, :], scale)[0])
-        self.record_sim(session, layer, allowed, allowed)
-        return torch.cat(outs, dim=2)  # (b, h, t, d)
+    def sim_state(self, session, layer, q, k, v, allowed):
+        """What decoded rows attend: K and V through the quantiser, (b, h_kv, s, d) each (O(t) memory)."""
+        if session.dense_rows >= k.shape[2]:
+            return None
+        group = self.group(layer.head_dim)
+        return fake_quantize(k, self.bits, group), fake_quantize(v, self.bits, group)
+
+    def sim_kv(self, session, layer, state, k, v, rows):
+        if state is None or int(rows[0]) < session.dense_rows:  # chunks never straddle dense_rows
+            return k, v  # the prefill attends the full-precision KV
+        e = k.shape[2]
+        return state[0][:, :, :e], state[1][:, :, :e]

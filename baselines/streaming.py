@@ -54,7 +54,7 @@ class Streaming(KVMethod):
     included; everything in between is evicted for good.
 
     At step t (t = tokens seen, current included) a query attends positions p < sinks or
-    p >= t - token_count(recent, t). Sim mode builds that banded mask for all rows at once; decode mode evicts
+    p >= t - token_count(recent, t). Sim mode builds that banded mask per chunk of rows; decode mode evicts
     from the KVStore (right after the prefill, then before each step's attention), so the cache really shrinks.
     """
 
@@ -73,13 +73,11 @@ class Streaming(KVMethod):
         return seen - token_count(self.recent, seen)
 
     # ------------------------------------------------------------------ sim mode
-    def sim_keep(self, session, layer, q, k, allowed):
-        t, s = q.shape[2], k.shape[2]
-        seen = range(s - t + 1, s + 1)  # tokens seen by each query row
-        start = torch.tensor([self.window_start(n) for n in seen], device=q.device)  # (t,)
-        cols = torch.arange(s, device=q.device)
-        keep = (cols[None, :] < self.sinks) | (cols[None, :] >= start[:, None])  # (t, s)
-        return keep[None, None]  # (1, 1, t, s): the same for every head
+    def sim_keep(self, session, layer, state, rows, s):
+        start = torch.tensor([self.window_start(int(p) + 1) for p in rows], device=rows.device)  # (r,)
+        cols = torch.arange(s, device=rows.device)
+        keep = (cols[None, :] < self.sinks) | (cols[None, :] >= start[:, None])  # (r, s)
+        return keep[None, None]  # (1, 1, r, s): the same for every head
 
     # ------------------------------------------------------------------ decode mode
     def evict(self, store: KVStore) -> None:

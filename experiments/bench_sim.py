@@ -1,16 +1,23 @@
-"""Sim-mode cost of KV methods against a dense forward (HF eager attention) on smollm2-135m.
+"""Sim-mode cost of KV methods against the model's own forward (SDPA and eager attention) on smollm2-135m.
 
-    python experiments/bench_sim.py                              # every conf/method/*.yaml
-    python experiments/bench_sim.py --methods h2o streaming --set h2o.heavy=0.2 --tokens 1024
+    python experiments/bench_sim.py                                   # every conf/method/*.yaml, 2048 tokens
+    python experiments/bench_sim.py --methods full h2o --scaling 1024 2048 4096 8192 --repeats 1
+    python experiments/bench_sim.py --methods h2o --set h2o.heavy=0.2 --tokens 1024 --scaling
 
-Loads the model once, takes the first --tokens tokens of WikiText-2 (DATA_DIR, default ../shared/data from the
-repo root), times the model's own forward (median of --repeats after one warm-up) and `modes.sim_logits` per
-method, and prints method, seconds, ratio vs dense eager and kv_fraction. A benchmark script, not a test.
+Loads the model once and takes the first tokens of WikiText-2 (DATA_DIR, default ../shared/data from the repo
+root). Table 1 (at --tokens): median seconds of --repeats runs of the model's SDPA forward, its eager forward and
+`modes.sim_logits` per method, the ratio to the SDPA forward, the peak memory above the loaded model, and
+kv_fraction. Table 2 (--scaling lengths, default 1k/2k/4k/8k; none = skipped): seconds and peak memory of each of
+them per length. Peak memory on CPU is the process's high-water RSS (VmHWM, reset through /proc/self/clear_refs
+after freed memory is returned with malloc_trim) minus the RSS before the run; on CUDA, max_memory_allocated
+minus the memory allocated before. A benchmark script, not a test: run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 import sys
@@ -28,8 +35,8 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from infinigen.corpora import corpus_text  # noqa: E402
-from infinigen import adapter, modes  # noqa: E402
 from infinigen.adapter import encode  # noqa: E402
+from infinigen import adapter, modes  # noqa: E402
 
 METHOD_DIR = ROOT / "conf" / "method"
 
@@ -40,8 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
                    help="override a method hyperparameter, e.g. infinigen.capacity=0.8 (repeatable)")
     p.add_argument("--model", default="smollm2-135m", help="conf/model name")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=2048, help="sequence length of table 1")
+    p.add_argument("--scaling", type=int, nargs="*", default=[1024, 2048, 4096, 8192],
+                   help="sequence lengths of table 2 (seconds and peak memory); give none to skip it")
     p.add_argument("--dense-rows", type=int, default=0, help="rows attending densely (0: every row is 'decoded')")
+    p.add_argument("--attention", default="fused", choices=adapter.ATTENTION_KERNELS,
+                   help="sim-mode kernel: fused SDPA per row chunk, or transformers' eager math")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda if available else cpu")
     p.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data"))
@@ -68,18 +79,61 @@ def build_method(name: str, dotlist: list[str], data_dir: str):
     return instantiate(root.method)
 
 
-def timed(fn, repeats: int, sync) -> float:
-    seconds = []
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Returns freed memory to the OS, resets the high-water RSS, and gives the current RSS (KiB)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass  # not glibc: freed memory may stay resident and hide part of the next peak
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_kib("VmRSS")
+
+
+def measure(fn, repeats: int, device: str) -> tuple[float, float]:
+    """(median seconds, peak MiB above what was resident/allocated before) of `repeats` calls of fn."""
+    seconds, peaks = [], []
+    cuda = device.startswith("cuda")
     for _ in range(repeats):
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = reset_peak() * 1024
         t0 = time.perf_counter()
         fn()
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
+        peak = torch.cuda.max_memory_allocated() if cuda else rss_kib("VmHWM") * 1024
+        peaks.append((peak - base) / 2**20)
+    return statistics.median(seconds), max(peaks)
 
 
-def main(argv=None) -> list[dict]:
+def text_ids(tokenizer, data_dir: str, n: int, vocab: int) -> torch.Tensor:
+    text = corpus_text("wikitext2", data_dir)
+    ids = encode(tokenizer, text[: 16 * n], vocab)[:n]
+    if ids.numel() < n:
+        ids = encode(tokenizer, text, vocab)[:n]
+    if ids.numel() < n:
+        raise SystemExit(f"WikiText-2 has only {ids.numel()} tokens, fewer than {n}")
+    return ids[None]
+
+
+REFERENCES = ("model sdpa", "model eager")
+
+
+def main(argv=None) -> dict:
     args = parse_args(argv)
     available = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
     names = args.methods or available
@@ -88,42 +142,53 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"unknown method(s) {unknown}; conf/method has {available}")
     overrides = method_overrides(args.set, names)
     methods = {name: build_method(name, overrides.get(name, []), args.data_dir) for name in names}  # fail early
+    labels = {name: name + "".join(f" {o}" for o in overrides.get(name, [])) for name in names}
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     model, tokenizer = adapter.load(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), device=device)
-    text = corpus_text("wikitext2", args.data_dir)
-    ids = encode(tokenizer, text[: 16 * args.tokens], model.config.vocab_size)[: args.tokens]
-    if ids.numel() < args.tokens:
-        ids = encode(tokenizer, text, model.config.vocab_size)[: args.tokens]
-    ids = ids[None].to(device)
-    assert model.config._attn_implementation == "eager"
+    limit = getattr(model.config, "max_position_embeddings", None)
+    lengths = sorted({args.tokens, *args.scaling})
+    if limit is not None and max(lengths) > limit:
+        raise SystemExit(f"{max(lengths)} tokens exceed the model's max_position_embeddings={limit}")
+    ids = text_ids(tokenizer, args.data_dir, max(lengths), model.config.vocab_size).to(device)
 
-    def dense():
-        with torch.inference_mode():
-            model(ids, use_cache=False)
+    def reference(implementation: str, x):
+        with torch.inference_mode(), adapter.attn_implementation(model, implementation):
+            model(x, use_cache=False)
 
-    dense()  # warm-up (allocator, thread pool)
-    dense_s = timed(dense, args.repeats, sync)
-    rows = [{"method": "dense eager", "seconds": dense_s, "ratio": 1.0, "kv_fraction": 1.0}]
-    print(f"# {args.model}, {ids.shape[1]} tokens, dense_rows={args.dense_rows}, device={device}, "
+    def sim(method, x):
+        method.reset_stats()
+        modes.sim_logits(model, method, x, dense_rows=args.dense_rows, attention=args.attention)
+
+    runs = {"model sdpa": lambda x: reference("sdpa", x), "model eager": lambda x: reference("eager", x)}
+    runs |= {labels[name]: (lambda x, m=methods[name]: sim(m, x)) for name in names}
+    reference("sdpa", ids[:, : min(lengths)])  # warm-up (allocator, thread pool)
+    print(f"# {args.model}, dense_rows={args.dense_rows}, attention={args.attention}, device={device}, "
           f"threads={torch.get_num_threads()}, median of {args.repeats}", flush=True)
-    for name, method in methods.items():
-        def run():
-            method.reset_stats()
-            modes.sim_logits(model, method, ids, dense_rows=args.dense_rows)
+    results: dict[tuple[int, str], dict] = {}
+    for n in [args.tokens] + [n for n in args.scaling if n != args.tokens]:
+        for label, fn in runs.items():
+            seconds, peak = measure(lambda: fn(ids[:, :n]), args.repeats, device)
+            name = label.split(" ")[0]
+            kv = methods[name].stats.summary().get("kv_fraction", float("nan")) if name in methods else 1.0
+            results[(n, label)] = {"seconds": seconds, "peak_mib": peak, "kv_fraction": kv}
+            print(f"  {n} tokens, {label}: {seconds:.2f} s, +{peak:.0f} MiB", file=sys.stderr, flush=True)
 
-        seconds = timed(run, args.repeats, sync)
-        kv = method.stats.summary().get("kv_fraction", float("nan"))
-        label = name + "".join(f" {o}" for o in overrides.get(name, []))
-        rows.append({"method": label, "seconds": seconds, "ratio": seconds / dense_s, "kv_fraction": kv})
-        print(f"  done {label}: {seconds:.2f} s", file=sys.stderr, flush=True)
-
-    width = max(len(r["method"]) for r in rows)
-    print(f"{'method':<{width}}  {'seconds':>8}  {'x dense':>7}  {'kv_fraction':>11}")
-    for r in rows:
-        print(f"{r['method']:<{width}}  {r['seconds']:8.2f}  {r['ratio']:7.2f}  {r['kv_fraction']:11.4f}")
-    return rows
+    width = max(len(label) for label in runs)
+    sdpa = results[(args.tokens, "model sdpa")]
+    print(f"\n{args.tokens} tokens\n{'':<{width}}  {'seconds':>8}  {'x sdpa':>7}  {'peak MiB':>8}  {'x sdpa':>7}  "
+          f"{'kv_fraction':>11}")
+    for label in runs:
+        r = results[(args.tokens, label)]
+        print(f"{label:<{width}}  {r['seconds']:8.2f}  {r['seconds'] / sdpa['seconds']:7.2f}  {r['peak_mib']:8.0f}  "
+              f"{r['peak_mib'] / max(sdpa['peak_mib'], 1):7.2f}  {r['kv_fraction']:11.4f}")
+    if args.scaling:
+        print("\nscaling: seconds / peak MiB above the loaded model")
+        print(f"{'':<{width}}" + "".join(f"  {f'{n} tokens':>16}" for n in args.scaling))
+        for label in runs:
+            cells = [f"{results[(n, label)]['seconds']:.2f} s / {results[(n, label)]['peak_mib']:.0f}" for n in args.scaling]
+            print(f"{label:<{width}}" + "".join(f"  {c:>16}" for c in cells))
+    return results
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import math
 import time
 
 from infinigen.corpora import check_dataset, corpus_text
+from infinigen.models import check_attention
 
 # torch, tqdm and the runtime are imported in the functions that use them: `validate` must stay cheap to import
 
@@ -23,6 +24,7 @@ def validate(task, data_dir) -> None:
         raise ValueError(f"task.max_windows must be null or an integer >= 1, got {task.max_windows!r}")
     if not isinstance(task.dense_rows, int) or not 0 <= task.dense_rows < task.seq_len:
         raise ValueError(f"task.dense_rows must be an integer in 0..seq_len-1, got {task.dense_rows!r}")
+    check_attention(task.get("attention", "fused"))  # +task.attention=exact: transformers' eager math
 
 
 def positions_needed(task) -> tuple[str, int]:
@@ -97,7 +99,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     for index, (start, first) in enumerate(tqdm(spans, desc=f"ppl {task.dataset}", unit="window")):
         window = ids[start : start + task.seq_len][None].to(device)
         t0 = time.perf_counter()
-        logits = sim_logits(model, method, window, dense_rows=task.dense_rows)
+        logits = sim_logits(model, method, window, dense_rows=task.dense_rows, attention=task.get("attention", "fused"))
         seconds.append(time.perf_counter() - t0)
         check_window(model, method, window, logits, index, start, task.dense_rows)
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none").double()

@@ -34,7 +34,8 @@ NON_SEMANTIC_METHOD = ("calib_data_dir",)
 def task_module(name: str):
     import importlib
 
-    modules = {"ppl": "experiments.ppl", "lm_eval": "experiments.lm_eval", "latency": "experiments.latency"}
+    modules = {"ppl": "experiments.ppl", "lm_eval": "experiments.lm_eval", "latency": "experiments.latency",
+               "needle": "experiments.needle"}
     if name not in modules:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(modules)}")
     return importlib.import_module(modules[name])

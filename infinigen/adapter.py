@@ -20,7 +20,9 @@ import torch
 # to import and are imported where they are used, so a bad config is refused before any of that.
 from transformers.cache_utils import Cache, DynamicLayer
 
-from infinigen.models import ModelUnavailable, check_supported, source, validate_model  # noqa: F401 (re-exported)
+from infinigen.models import (  # noqa: F401 (re-exported)
+    ModelUnavailable, check_attention, check_supported, source, validate_model,
+)
 
 ATTN_NAME = "kv_method"
 
@@ -364,6 +366,7 @@ class Session:
     layers: list[AttentionLayer]
     dense_rows: int = 0
     max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
+    attention: str = "fused"  # kernel of multi-token forwards (sim mode, decode prefill): ATTENTION_KERNELS
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
     block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> the residual stream entering it
@@ -417,13 +420,27 @@ def register_attention() -> None:
 
 
 @contextmanager
-def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0):
+def attn_implementation(model, name: str):
+    """The model's own attention ("eager", "sdpa", ...) for the block: the reference forwards benchmarks time."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
+def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0,
+            attention: str = "fused"):
     """Route every attention layer of `model` through `method` until the block exits."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
+    check_attention(attention)
     register_attention()
     layers = attention_layers(model)
-    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len)
+    session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len,
+                      attention=attention)
     previous = model.config._attn_implementation
     handles = []
 

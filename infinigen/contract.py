@@ -1,7 +1,11 @@
 """The KV-method contract every method implements, in two modes.
 
-* sim: one teacher-forced forward over a whole sequence. Per layer the method returns which KV entries each
-  query row may attend (`sim_keep`, a (b, h_kv, t, s) bool mask); rows below `dense_rows` attend densely.
+* sim: one teacher-forced forward over a whole sequence, attended in chunks of query rows so that memory stays
+  O(heads x chunk x t), never O(heads x t^2). Per layer the method computes a compact state once (`sim_state`,
+  e.g. H2O's last attending row per entry) and from it, per chunk, which KV entries each row may attend
+  (`sim_keep`, a (b, h_kv, rows, s) bool mask); rows below `dense_rows` attend densely. The chunk is attended
+  by torch's fused SDPA kernel (`attention="fused"`, the default) or by the eager math transformers' own
+  eager attention uses (`attention="exact"`, what the sim == decode contract is checked with).
 * decode: a real prefill (dense), then one token per step through a `KVStore` cache layer that holds exactly
   what the method keeps (`decode_attention`).
 
@@ -17,11 +21,14 @@ import types
 import typing
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
+
+SIM_CHUNK = 256  # query rows attended at once in sim mode and in the decode-mode prefill
 
 
 def attend(
@@ -48,6 +55,45 @@ def attend(
     out = torch.matmul(probs.to(v.dtype), vr)  # (b, h, t, d)
     probs = probs.view(b, hk, g, t, s)
     return out.view(b, h, t, d), (probs if need_probs else None)
+
+
+def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`attend` through torch's fused SDPA kernel (no probabilities): q (b, h, t, d); k, v (b, h_kv, s, d);
+    keep (b|1, h_kv|1, t, s) bool or None. KV heads are shared through `enable_gqa`, never repeated."""
+    h, hk = q.shape[1], k.shape[1]
+    if keep is not None:
+        # a row with nothing to attend gets every entry (eager's masked softmax is uniform there; SDPA gives 0)
+        keep = keep | ~keep.any(-1, keepdim=True)
+        if keep.shape[1] > 1 and hk != h:
+            keep = keep.repeat_interleave(h // hk, dim=1)  # (b, h, t, s): query head i reads KV head i // g
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=hk != h)
+
+
+def sim_attend(session: Session, q, k, v, keep, scale: float) -> torch.Tensor:
+    """One chunk of rows attended by the session's kernel ("fused" SDPA or the "exact" eager math)."""
+    if session.attention == "exact":
+        return attend(q, k, v, keep, scale)[0]
+    return attend_fused(q, k, v, keep, scale)
+
+
+def row_chunks(t: int, split_at: int = 0) -> Iterator[tuple[int, int]]:
+    """(r0, r1) query-row chunks of at most SIM_CHUNK rows covering 0..t; none straddles row `split_at` (so a
+    chunk is either all dense prefill rows or all decoded rows). SIM_CHUNK is read at call time: tests shrink
+    it to cross chunk boundaries on short sequences."""
+    size = SIM_CHUNK
+    for lo, hi in ((0, min(max(split_at, 0), t)), (min(max(split_at, 0), t), t)):
+        for r0 in range(lo, hi, size):
+            yield r0, min(hi, r0 + size)
+
+
+def chunk_allowed(allowed: torch.Tensor, r0: int, r1: int, offset: int) -> torch.Tensor:
+    """Rows r0..r1-1 of the (b|1, 1, t, s) mask, cut after the last key any of them may see: with a causal mask
+    that is key offset + r1 - 1, so a chunk costs what it attends, and the later columns are never built."""
+    rows = allowed[..., r0:r1, :]  # (b|1, 1, r, s)
+    end = offset + r1
+    if end < rows.shape[-1] and bool(rows[..., end:].any()):
+        end = rows.shape[-1]  # not causal (never the case for the models here): keep every key
+    return rows[..., :end]
 
 
 def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -174,32 +220,78 @@ class KVMethod:
         """Called when `layer`'s attention output has been added to the residual stream, before its MLP."""
 
     # ------------------------------------------------------------------ sim mode (and decode prefill)
-    def sim_keep(self, session: Session, layer: AttentionLayer, q, k, allowed) -> torch.Tensor | None:
-        """(b, h_kv, t, s) bool: which entries each row may attend (combined with causality by the caller);
-        None = all of them."""
+    def sim_state(self, session: Session, layer: AttentionLayer, q, k, v, allowed) -> Any:
+        """Computed once per layer and sim forward, before any chunk: whatever `sim_keep` / `sim_kv` need
+        (kept compact: O(t) or O(h_kv x t), never per (row, entry) pair). q (b, h, t, d); k, v (b, h_kv, s, d)."""
         return None
+
+    def sim_keep(self, session: Session, layer: AttentionLayer, state, rows: torch.Tensor, s: int) -> torch.Tensor | None:
+        """(b|1, h_kv|1, r, s) bool: which of the first s entries the query rows at sequence positions `rows`
+        (r,) may attend (combined with causality by the caller); None = all of them."""
+        return None
+
+    def sim_kv(self, session: Session, layer: AttentionLayer, state, k, v, rows: torch.Tensor):
+        """The keys/values the rows at `rows` attend ((b, h_kv, s, d) each): the real ones unless the method
+        changes what attention sees (quantisation)."""
+        return k, v
 
     def forward_attention(self, session: Session, layer: AttentionLayer, q, k, v, allowed) -> torch.Tensor:
         """A multi-token forward: the whole sequence in sim mode, the dense prefill in decode mode."""
         if session.mode == "decode":
-            out, probs = attend(q, k, v, allowed, layer.logit_scale, need_probs=self.needs_prefill_probs)
-            self.after_prefill(session, layer, session.cache.layers[layer.index], q, probs)
-            return out
-        keep = self.sim_keep(session, layer, q, k, allowed)
-        keep = allowed if keep is None else allowed & (keep | dense_row_mask(q.shape[2], k.shape[2], session.dense_rows, q.device))
-        out, _ = attend(q, k, v, keep, layer.logit_scale)
-        self.record_sim(session, layer, keep, allowed)
-        return out
+            return self.prefill_attention(session, layer, q, k, v, allowed)
+        t, s = q.shape[2], k.shape[2]
+        offset = s - t  # sequence position of query row 0
+        state = self.sim_state(session, layer, q, k, v, allowed)
+        outs = []
+        for r0, r1 in row_chunks(t, session.dense_rows - offset):
+            allowed_c = chunk_allowed(allowed, r0, r1, offset)  # (b|1, 1, r, e)
+            rows = torch.arange(offset + r0, offset + r1, device=q.device)
+            e = allowed_c.shape[-1]
+            keep = self.sim_keep(session, layer, state, rows, e)
+            dense = (rows < session.dense_rows).view(1, 1, -1, 1)
+            keep = allowed_c if keep is None else allowed_c & (keep | dense)
+            kc, vc = self.sim_kv(session, layer, state, k[:, :, :e], v[:, :, :e], rows)
+            outs.append(sim_attend(session, q[:, :, r0:r1], kc, vc, keep, layer.logit_scale))
+            self.record_sim(session, layer, keep, allowed_c, rows)
+        return torch.cat(outs, dim=2)  # (b, h, t, d)
 
     needs_prefill_probs = False  # set True if after_prefill reads the prefill attention probabilities
 
-    def after_prefill(self, session: Session, layer: AttentionLayer, store: KVStore, q, probs) -> None:
-        """Decode mode: called once the dense prefill has filled `store` (probs: (b, h_kv, g, t, s))."""
+    def prefill_mass(self, probs: torch.Tensor) -> torch.Tensor:
+        """Decode mode, needs_prefill_probs: one chunk's probabilities (b, h_kv, g, r, e) -> what after_prefill
+        receives summed over every prefill row, (b, h_kv, e)."""
+        return probs.sum(dim=(2, 3))
 
-    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, dense_rows: int | None = None) -> None:
-        rows = slice(session.dense_rows if dense_rows is None else dense_rows, None)
-        attended = keep[:, :, rows].sum(-1).float()  # (b, h_kv|1, rows)
-        causal = allowed[:, :, rows].sum(-1).float()
+    def prefill_attention(self, session: Session, layer: AttentionLayer, q, k, v, allowed) -> torch.Tensor:
+        """The dense decode-mode prefill, chunked like sim mode; a method that reads the prefill attention gets
+        it accumulated chunk by chunk (`prefill_mass`), never as a (t, s) tensor."""
+        t, s = q.shape[2], k.shape[2]
+        mass, outs = None, []
+        for r0, r1 in row_chunks(t):
+            allowed_c = chunk_allowed(allowed, r0, r1, s - t)
+            e = allowed_c.shape[-1]
+            if self.needs_prefill_probs:
+                out, probs = attend(q[:, :, r0:r1], k[:, :, :e], v[:, :, :e], allowed_c, layer.logit_scale, need_probs=True)
+                part = self.prefill_mass(probs)  # (b, h_kv, e)
+                mass = part.new_zeros(*part.shape[:2], s) if mass is None else mass
+                mass[..., :e] += part
+            else:
+                out = sim_attend(session, q[:, :, r0:r1], k[:, :, :e], v[:, :, :e], allowed_c, layer.logit_scale)
+            outs.append(out)
+        self.after_prefill(session, layer, session.cache.layers[layer.index], q, mass)
+        return torch.cat(outs, dim=2)
+
+    def after_prefill(self, session: Session, layer: AttentionLayer, store: KVStore, q, mass) -> None:
+        """Decode mode: called once the dense prefill has filled `store` (mass: the `prefill_mass` of every
+        prefill row, (b, h_kv, s), if needs_prefill_probs, else None)."""
+
+    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, rows: torch.Tensor) -> None:
+        """kv_fraction of the chunk's rows at sequence positions `rows` that are decoded (>= dense_rows)."""
+        decoded = rows >= session.dense_rows
+        if not bool(decoded.any()):
+            return
+        attended = keep[:, :, decoded].sum(-1).float()  # (b|1, h_kv|1, rows)
+        causal = allowed[:, :, decoded].sum(-1).float()
         batch = session.attn_inputs[layer.index].shape[0]  # keep/allowed may be broadcast over the batch
         attended = attended.expand(batch, layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
         self.stats.add(layer.index, "kv_fraction", attended / causal.clamp(min=1))
@@ -263,12 +355,3 @@ class GatheringMethod(KVMethod):
     def after_step(self, session, layer, q, store: KVStore, keep: torch.Tensor) -> None:
         """Bookkeeping once the current token attended `keep`."""
 
-
-def dense_row_mask(t: int, s: int, dense_rows: int, device) -> torch.Tensor:
-    """(1, 1, t, 1) True for query rows that attend densely (the prefill part of a sim-mode sequence)."""
-    rows = torch.arange(s - t, s, device=device)
-    return (rows < dense_rows).view(1, 1, t, 1)
-
-
-def causal_keep(t: int, device) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril()

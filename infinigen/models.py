@@ -15,6 +15,7 @@ from pathlib import Path
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+ATTENTION_KERNELS = ("fused", "exact")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
 
 
 class ModelUnavailable(RuntimeError):
@@ -97,3 +98,8 @@ def validate_model(cfg) -> None:
     if local and cfg.get("random_init"):
         raise ValueError(f"model {cfg.name!r}: random_init builds `arch` with random weights; it cannot also use "
                          f"model.local_path={local!r} (set model.random_init=false)")
+
+
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")

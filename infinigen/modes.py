@@ -8,9 +8,12 @@ from infinigen import adapter
 
 
 @torch.inference_mode()
-def sim_logits(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None) -> torch.Tensor:
-    """One teacher-forced forward; rows >= dense_rows behave as decoded tokens. (b, t) -> (b, t, vocab)."""
-    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=input_ids.shape[1]):
+def sim_logits(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None,
+               attention: str = "fused") -> torch.Tensor:
+    """One teacher-forced forward; rows >= dense_rows behave as decoded tokens. (b, t) -> (b, t, vocab).
+    attention: "fused" (SDPA per row chunk) or "exact" (transformers' eager math per row chunk)."""
+    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=input_ids.shape[1],
+                         attention=attention):
         return model(input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
 
 
@@ -31,16 +34,19 @@ def decode_step(model, token: torch.Tensor, cache, position: int) -> torch.Tenso
 
 
 @torch.inference_mode()
-def decode_logits(model, method, input_ids: torch.Tensor, dense_rows: int, progress: bool = False) -> torch.Tensor:
+def decode_logits(model, method, input_ids: torch.Tensor, dense_rows: int, progress: bool = False,
+                  attention: str = "fused") -> torch.Tensor:
     """Teacher-forced decode mode: prefill input_ids[:, :dense_rows], then feed the rest one token per step.
     Returns logits for rows dense_rows-1 .. t-2 (the predictions of tokens dense_rows .. t-1), (b, t-dense_rows, V).
     The last token is fed too (its prediction is dropped) so both modes process, and count stats for, every row.
+    attention: the prefill's kernel (decode steps always use the method's own `decode_attention`).
     """
     from tqdm import tqdm
 
     cache = new_cache(model, method)
     t = input_ids.shape[1]
-    with adapter.install(model, method, mode="decode", dense_rows=dense_rows, cache=cache, max_len=t):
+    with adapter.install(model, method, mode="decode", dense_rows=dense_rows, cache=cache, max_len=t,
+                         attention=attention):
         out = [prefill(model, input_ids[:, :dense_rows], cache)]
         for pos in tqdm(range(dense_rows, t), disable=not progress, desc="decode", leave=False):
             out.append(decode_step(model, input_ids[:, pos : pos + 1], cache, pos))

@@ -17,6 +17,7 @@ from baselines.quant import Quant, dequantize, pack, quantize, unpack
 from baselines.streaming import Streaming, token_count
 from conftest import load_model, model_cfg, random_ids, sample_ids
 from infinigen import adapter, modes
+from infinigen import contract as method_module
 from infinigen.contract import logits
 
 PROMPT, DECODED = 48, 24
@@ -29,6 +30,12 @@ def sim_and_decode(model_name, method_factory, prompt=PROMPT, decoded=DECODED, b
     sim = modes.sim_logits(model, sim_m, ids, dense_rows=prompt)
     dec = modes.decode_logits(model, dec_m, ids, dense_rows=prompt)
     return sim, dec, sim_m, dec_m
+
+
+def whole_keep(method, session, layer, q, k, allowed):
+    """The sim-mode keep mask of every row at once, (b|1, h_kv|1, t, s) (sim mode asks for it chunk by chunk)."""
+    state = method.sim_state(session, layer, q, k, k, allowed)
+    return method.sim_keep(session, layer, state, torch.arange(q.shape[2]), k.shape[2])
 
 
 def full_logits(model_name, prompt=PROMPT, decoded=DECODED):
@@ -113,7 +120,8 @@ def h2o_reference(scores, heavy, recent, dense_rows, reduce):
     "heavy,recent,dense_rows,reduce",
     [(0.2, 0.1, 0, "sum"), (4, 3, 10, "sum"), (0.15, 5, 12, "max"), (3, 0.2, 6, "mean"), (0.3, 0.3, 0, "max")],
 )
-def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduce):
+def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduce, monkeypatch):
+    monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses chunk boundaries (prefill and rows)
     hk, g, t, d = 2, 3, 40, 16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, hk * g, t, d, generator=gen)
@@ -121,7 +129,7 @@ def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduc
     scale = d**-0.5
     allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
     method = H2O(heavy=heavy, recent=recent, gqa_reduce=reduce)
-    keep = method.sim_keep(SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=scale), q, k, allowed)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=scale), q, k, allowed)
     ref = h2o_reference(logits(q, k, scale)[0].double(), heavy, recent, dense_rows, reduce)
     assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
     assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
@@ -150,9 +158,10 @@ def test_h2o_budget_holds_every_step(model_name):
     captured = {}
 
     class Spy(H2O):
-        def sim_keep(self, session, layer, q, k, allowed):
-            captured[layer.index] = keep = super().sim_keep(session, layer, q, k, allowed)
-            return keep
+        def sim_state(self, session, layer, q, k, v, allowed):
+            state = super().sim_state(session, layer, q, k, v, allowed)
+            captured[layer.index] = self.sim_keep(session, layer, state, torch.arange(q.shape[2]), k.shape[2])
+            return state
 
     model, _ = load_model(model_name)
     modes.sim_logits(model, Spy(heavy=heavy, recent=recent), random_ids(PROMPT + DECODED, 512), dense_rows=PROMPT)
@@ -185,7 +194,7 @@ def test_h2o_gqa_reduce_sim_equals_decode(reduce):
 def test_streaming_sim_mask_is_sinks_plus_window():
     t = 30
     method = Streaming(sinks=3, recent=0.25)
-    keep = method.sim_keep(None, None, torch.zeros(1, 1, t, 4), torch.zeros(1, 1, t, 4), None)[0, 0]
+    keep = whole_keep(method, None, None, torch.zeros(1, 1, t, 4), torch.zeros(1, 1, t, 4), None)[0, 0]
     for row in range(t):
         seen = row + 1
         expected = {j for j in range(seen) if j < 3 or j >= seen - math.ceil(0.25 * seen)}

@@ -137,9 +137,9 @@ def test_corpus_shorter_than_a_window_after_tokenisation_fails_before_any_forwar
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward ran on a corpus shorter than one window")
 
-    from infinigen import runtime
+    from infinigen import modes
 
-    monkeypatch.setattr(runtime, "sim_logits", no_forward)  # ppl imports it when it runs
+    monkeypatch.setattr(modes, "sim_logits", no_forward)  # ppl imports it when it runs
     model, _ = load_model("tiny-llama")
     with pytest.raises(ValueError, match=r"has 62 tokens after tokenisation, fewer than one window \(seq_len=64\)"):
         ppl.run(model, None, method_from_conf("full"), task, None)
@@ -161,7 +161,7 @@ def test_calibration_reads_the_same_corpus_forms(tmp_path):
     content (same spec, edited file: recalibrated); a bad file fails when the method is built (before any load)."""
     from hydra.errors import InstantiationException
 
-    from infinigen import runtime
+    from infinigen import modes
 
     model, _ = load_model("tiny-llama")
     book = data.resolve("pg19", DATA_DIR).path
@@ -171,9 +171,9 @@ def test_calibration_reads_the_same_corpus_forms(tmp_path):
     text = write(tmp_path / "calib.txt", "a calibration text of my own. " * 40)
     ids = torch.arange(32)[None]
     mine = {"calibration": f"file:{text}", "cache_dir": str(tmp_path / "skew")}
-    runtime.sim_logits(model, method_from_conf("infinigen", **mine), ids)
+    modes.sim_logits(model, method_from_conf("infinigen", **mine), ids)
     write(text, "another calibration text, edited. " * 40)
-    runtime.sim_logits(model, method_from_conf("infinigen", **mine), ids)
+    modes.sim_logits(model, method_from_conf("infinigen", **mine), ids)
     assert len(list((tmp_path / "skew").glob("skew-*.pt"))) == 2
     write(text, b"\xff\xfe binary")
     with pytest.raises(InstantiationException, match=r"not UTF-8 text: byte 0xff at byte offset 0"):

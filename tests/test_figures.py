@@ -103,10 +103,35 @@ def latency_runs():
     return runs
 
 
+NEEDLE_LENGTHS, NEEDLE_DEPTHS = [1024, 2048], [0.0, 0.5, 1.0]
+
+
+def needle_runs():
+    """full finds every key; streaming only a needle at depth 1 (inside its window)."""
+    runs = []
+    for method, params in [("full", {}), ("streaming", {"sinks": 4, "recent": 0.2})]:
+        cells = [{"length": n, "depth": d, "n": 2, "accuracy": 1.0 if method == "full" or d == 1.0 else 0.0,
+                  "loglik": -0.1 if method == "full" or d == 1.0 else -9.0}
+                 for n in NEEDLE_LENGTHS for d in NEEDLE_DEPTHS]
+        metrics = {"accuracy": sum(c["accuracy"] for c in cells) / len(cells), "cells": cells}
+        runs.append(run("smollm2-135m", method, "needle", params,
+                        {"lengths": NEEDLE_LENGTHS, "depths": NEEDLE_DEPTHS, "seeds": 2}, [metrics]))
+    return runs
+
+
+def test_needle_heatmap_cells(synthetic):
+    _, numbers = figures.needle_heatmap(store.load(synthetic))
+    assert len(numbers) == 2 * len(NEEDLE_LENGTHS) * len(NEEDLE_DEPTHS)
+    streaming = numbers[numbers["setting"].str.startswith("streaming")]
+    assert set(streaming[streaming["depth"] == 1.0]["accuracy"]) == {1.0}
+    assert set(streaming[streaming["depth"] < 1.0]["accuracy"]) == {0.0}
+    assert set(numbers[numbers["setting"] == "full"]["accuracy"]) == {1.0}
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     results = tmp_path_factory.mktemp("results")
-    for digest, rows in lm_eval_runs() + ppl_runs() + latency_runs():
+    for digest, rows in lm_eval_runs() + ppl_runs() + latency_runs() + needle_runs():
         store.append_rows(results, digest, rows)
     return results
 

@@ -26,11 +26,9 @@ class RecentOnly(KVMethod):
 
     window: int = 4
 
-    def sim_keep(self, session, layer, q, k, allowed):
-        t, s = q.shape[2], k.shape[2]
-        rows = torch.arange(s - t, s, device=q.device)[:, None]
-        cols = torch.arange(s, device=q.device)[None, :]
-        return (rows - cols < self.window).view(1, 1, t, s)
+    def sim_keep(self, session, layer, state, rows, s):
+        cols = torch.arange(s, device=rows.device)[None, :]
+        return (rows[:, None] - cols < self.window)[None, None]  # (1, 1, r, s)
 
 
 @dataclass

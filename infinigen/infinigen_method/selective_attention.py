@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.contract import GatheringMethod, attend, logits
+from infinigen.contract import GatheringMethod, attend, logits, row_chunks, sim_attend
 from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
 
 
@@ -85,8 +85,6 @@ class SelectiveAttention(GatheringMethod):
         return max(1, min(self.max_held(max_len), int(budget_cap(self.budget, torch.tensor([max_len]), self.max_num_kv)[0])))
 
     # ------------------------------------------------------------------ sim mode
-    rows_per_chunk = 256  # sim rows are processed in chunks against the keys they can see (half the work)
-
     def forward_attention(self, session, layer, q, k, v, allowed):
         if session.mode == "decode" or self.dense_layer(layer):
             return super().forward_attention(session, layer, q, k, v, allowed)
@@ -96,8 +94,7 @@ class SelectiveAttention(GatheringMethod):
         limit = self.pool_size(session)
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
         outs = []
-        for r0 in range(0, t, self.rows_per_chunk):
-            r1 = min(t, r0 + self.rows_per_chunk)
+        for r0, r1 in row_chunks(t):  # each chunk against the keys its rows can see (half the work)
             outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool))
         return torch.cat(outs, dim=2)
 
@@ -116,9 +113,9 @@ class SelectiveAttention(GatheringMethod):
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
         decoded = rows >= session.dense_rows
         keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
-        out, _ = attend(q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
+        out = sim_attend(session, q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
         if bool(decoded.any()):
-            self.record_sim(session, layer, keep[:, :, decoded], allowed[:, :, decoded], dense_rows=0)
+            self.record_sim(session, layer, keep, allowed, rows)
             self.stats.add(layer.index, "selected", n[:, decoded].float())
             if self.track_recall:
                 self._record_recall(layer, q[:, :, r0:r1][:, :, decoded], k[:, :, :r1],

@@ -1,0 +1,120 @@
+"""Long-context sim mode (issue 11): chunked fused attention == the exact eager math for every method, memory
+linear in t (no (heads, t, t) tensor), `full` == plain transformers through the ppl task's path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import METHODS, load_model, method_from_conf, random_ids
+from infinigen import adapter, modes
+from infinigen import contract as method_module
+
+# Settings each method is also checked under: eviction and multi-chunk state are where chunking could go wrong.
+VARIANTS = {
+    "infinigen": [{}, {"capacity": 0.8}],
+    "oracle": [{}, {"capacity": 0.7, "eviction": "lru"}],
+    "h2o": [{}, {"gqa_reduce": "max", "heavy": 8, "recent": 8}],
+    "quant": [{}, {"bits": 2}],
+    "streaming": [{}, {"recent": 16}],
+}
+CHUNK = 16  # rows per sim chunk in these tests: the sequences below span several chunks
+LOGPROB_TOL = 1e-6  # float64 model; exact's softmax runs in fp32 (as transformers' eager), fused in fp64
+
+
+def cases():
+    for name in METHODS:
+        for overrides in VARIANTS.get(name, [{}]):
+            yield pytest.param(name, overrides, id=f"{name}-{overrides or 'default'}")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(method_module, "SIM_CHUNK", CHUNK)
+
+
+@pytest.mark.parametrize("method_name,overrides", list(cases()))
+@pytest.mark.parametrize("dense_rows", [0, 40])
+def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
+    model, _ = load_model("tiny-llama-gqa", "float64")
+    ids = random_ids(100, model.config.vocab_size, batch=2)
+    out = {}
+    for kernel in adapter.ATTENTION_KERNELS:
+        method = method_from_conf(method_name, **overrides)
+        logp = modes.sim_logits(model, method, ids, dense_rows=dense_rows, attention=kernel)
+        out[kernel] = (logp.double().log_softmax(-1), method.stats.summary().get("kv_fraction"))
+    torch.testing.assert_close(out["fused"][0], out["exact"][0], atol=LOGPROB_TOL, rtol=0)
+    assert out["fused"][1] == pytest.approx(out["exact"][1], abs=1e-12)  # the same keep decisions
+
+
+@pytest.mark.parametrize("method_name", ["full", "h2o", "streaming"])
+def test_chunked_sim_equals_one_chunk(method_name, monkeypatch):
+    """The chunk size is not a hyperparameter: many chunks == one chunk (exact kernel, float64)."""
+    model, _ = load_model("tiny-llama-gqa", "float64")
+    ids = random_ids(90, model.config.vocab_size)
+    runs = []
+    for chunk in (CHUNK, 1024):
+        monkeypatch.setattr(method_module, "SIM_CHUNK", chunk)
+        method = method_from_conf(method_name)
+        runs.append(modes.sim_logits(model, method, ids, dense_rows=30, attention="exact").double())
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-9, rtol=0)
+
+
+class LargestFloat(TorchDispatchMode):
+    """Records the largest floating-point tensor any op produces (attention scores/probs are the O(t^2) risk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("method_name", ["full", "h2o", "infinigen", "oracle", "quant", "streaming"])
+@pytest.mark.parametrize("mode", ["sim", "decode-prefill"])
+def test_no_quadratic_float_tensor(method_name, mode, small_chunks):
+    """At t = 1000 one (heads, t, t) score tensor has 6M elements; chunked attention never builds more than
+    (heads, chunk, t) = 96k. The bound, heads * t^2 / 8, still admits the model's own (t, vocab) logits (and
+    InfiniGen's calibration forward over 1024 tokens)."""
+    model, _ = load_model("tiny-llama-gqa")
+    t, heads = 1000, model.config.num_attention_heads
+    ids = random_ids(t, model.config.vocab_size)
+    method = method_from_conf(method_name)
+    with LargestFloat() as spy:
+        if mode == "sim":
+            modes.sim_logits(model, method, ids, dense_rows=100)
+        else:
+            modes.decode_logits(model, method, ids, dense_rows=t - 1)
+    assert spy.numel < heads * t * t // 8, f"{method_name}: a {spy.numel}-element float tensor at t={t}"
+    assert spy.numel >= (t - 1) * model.config.vocab_size  # the spy saw the forward (the prefill's logits)
+
+
+def test_full_ppl_equals_plain_transformers(small_chunks, data_dir):
+    """The ppl task through `full` (fused kernel, several chunks per window) scores exactly what the model's own
+    SDPA forward predicts on the same windows (float64 model; its eager forward runs the softmax in fp32). sim_logits
+    hands logits out in float32, so they are compared at that resolution (1 ulp of a logit near 1 is 6e-8)."""
+    from omegaconf import OmegaConf
+
+    from experiments import ppl
+    from infinigen.corpora import corpus_text
+
+    model, _ = load_model("tiny-llama", "float64")
+    task = OmegaConf.create({"dataset": "wikitext2", "seq_len": 80, "stride": None, "max_windows": 2,
+                             "dense_rows": 0})
+    ids = adapter.encode(None, corpus_text(task.dataset, data_dir), model.config.vocab_size)
+    nll = []
+    for start, _ in ppl.windows(ids, task.seq_len, task.seq_len, task.max_windows):
+        window = ids[start : start + task.seq_len][None]
+        with torch.inference_mode(), adapter.attn_implementation(model, "sdpa"):
+            plain = model(window, use_cache=False).logits.double()
+        ours = modes.sim_logits(model, method_from_conf("full"), window)
+        torch.testing.assert_close(ours, plain.float(), atol=1e-7, rtol=0)
+        nll.append(torch.nn.functional.cross_entropy(plain[0, :-1], window[0, 1:], reduction="none"))
+    result = ppl.run(model, None, method_from_conf("full"), task, data_dir)
+    assert result["nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-7)
