@@ -172,6 +172,17 @@ def _input_norm(block) -> torch.nn.Module:
     return block.self_attn_layer_norm if hasattr(block, "self_attn_layer_norm") else block.input_layernorm
 
 
+def pre_norm(model) -> bool:
+    """Whether each block normalises its attention input (Llama, OPT >= 1.3B / 125M) rather than its output
+    (OPT-350M, `do_layer_norm_before=False`): only then is the residual stream an un-normalised input."""
+    return bool(getattr(model.config, "do_layer_norm_before", True))
+
+
+def _post_attention_norm(block) -> torch.nn.Module:
+    """The norm a pre-norm block applies to the residual after its attention (its input is that residual)."""
+    return block.final_layer_norm if hasattr(block, "final_layer_norm") else block.post_attention_layernorm
+
+
 def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(first, last) module of a decoder block's feed-forward part, for timing hooks: Llama's `mlp`, OPT's fc1..fc2."""
     if hasattr(block, "mlp"):
@@ -332,6 +343,9 @@ class Session:
     max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
+    # captured only for a method whose `captures` names them (each is a (b, t, hidden) tensor per layer):
+    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual stream entering its block
+    attn_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual after its attention
     position_embeddings: Any = None
     model: Any = None
 
@@ -372,13 +386,49 @@ AttentionInterface.register(ATTN_NAME, _attention)
 AttentionMaskInterface.register(ATTN_NAME, _mask)
 
 
+CAPTURES = ("block_inputs", "attn_residuals")
+
+
+def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Module, Callable]]:
+    """(module, forward pre-hook) pairs filling the residual-stream captures a method asks for."""
+    unknown = set(captures) - set(CAPTURES)
+    if unknown:
+        raise ValueError(f"unknown captures {sorted(unknown)}; known: {CAPTURES}")
+    if captures and not pre_norm(model):
+        raise ValueError("the residual stream is only captured in pre-norm blocks; this OPT model has "
+                         "do_layer_norm_before=False (its norms follow attention and the MLP)")
+
+    def block_input(i):
+        def hook(module, args, kwargs):
+            session.block_inputs[i] = args[0] if args else kwargs["hidden_states"]  # (b, t, hidden)
+
+        return hook
+
+    def attn_residual(i):
+        def hook(module, args, kwargs):
+            # OPT flattens to (b*t, hidden) before this norm; the attention input has the (b, t, hidden) shape
+            session.attn_residuals[i] = args[0].view(session.attn_inputs[i].shape)
+
+        return hook
+
+    hooks = []
+    for i, block in enumerate(decoder_layers(model)):
+        if "block_inputs" in captures:
+            hooks.append((block, block_input(i)))
+        if "attn_residuals" in captures:
+            hooks.append((_post_attention_norm(block), attn_residual(i)))
+    return hooks
+
+
 @contextmanager
 def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0):
-    """Route every attention layer of `model` through `method` until the block exits."""
+    """Route every attention layer of `model` through `method` until the block exits. Besides each layer's
+    attention input, the residual-stream tensors named in `method.captures` are recorded on the session."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
     layers = attention_layers(model)
     session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len)
+    residual_hooks = _residual_hooks(model, session, getattr(method, "captures", ()))
     previous = model.config._attn_implementation
     handles = []
 
@@ -394,6 +444,8 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
     for layer in layers:
         _BOUND[id(layer.module)] = (session, layer)
         handles.append(layer.module.register_forward_pre_hook(capture(layer), with_kwargs=True))
+    for module, hook in residual_hooks:
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)
     try:
