@@ -395,8 +395,9 @@ def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Mo
     if unknown:
         raise ValueError(f"unknown captures {sorted(unknown)}; known: {CAPTURES}")
     if captures and not pre_norm(model):
-        raise ValueError("the residual stream is only captured in pre-norm blocks; this OPT model has "
-                         "do_layer_norm_before=False (its norms follow attention and the MLP)")
+        raise ValueError(f"{session.method!r} reads the residual stream ({', '.join(captures)}) through the next "
+                         "layer's input norm; this OPT model normalises after attention and the MLP "
+                         "(do_layer_norm_before=False), so it has no input norm")
 
     def block_input(i):
         def hook(module, args, kwargs):

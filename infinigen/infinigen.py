@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from infinigen import adapter
 from infinigen.adapter import AttentionLayer, KVStore, Session
 from infinigen.method import logits
 from infinigen.selective import SelectiveAttention
@@ -91,10 +90,6 @@ class InfiniGen(SelectiveAttention):
     # ------------------------------------------------------------------ calibration
     def bind(self, session: Session) -> None:
         model = session.model
-        if self.captures and not adapter.pre_norm(model):
-            raise ValueError(f"speculate_from={self.speculate_from} applies layer i's input norm to the residual "
-                             "stream; this OPT model normalises after attention (do_layer_norm_before=False), so "
-                             "it has none: use speculate_from=previous")
         settings = json.dumps(
             {k: asdict(self)[k] for k in ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")},
             sort_keys=True,
