@@ -2,10 +2,10 @@
 Cache Management", OSDI'24).
 
 While layer i-1 runs, its attention input x is pushed through layer i's *partial* query weight (skewed, only
-`partial_ratio` of the columns) and scored against layer i's partial key cache (`speculate_from` chooses x; the
-paper's choice is the default, the others are this project's ablation, see `SPECULATE_FROM`). Per head the tokens within
-`alpha` of the best score are counted; the mean count over heads, capped at `budget` x sequence length, is
-how many tokens each KV head fetches (its top scorers). The full KV lives in a host-side pool of `capacity`
+`partial_ratio` of the columns) and scored against layer i's partial key cache. (`speculate_from` chooses x:
+the paper's choice is the default, the others are this project's ablation, see `SPECULATE_FROM`.) Per head the
+tokens within `alpha` of the best score are counted; the mean count over heads, capped at `budget` x sequence
+length, is how many tokens each KV head fetches (its top scorers). The full KV lives in a host-side pool of `capacity`
 that evicts one token per step (`counter`, `lru` or `fifo`) when full.
 """
 
