@@ -87,8 +87,9 @@ def ppl_runs():
                           "stats": stats(budget + 0.05, 0.9)}]))
         for i, option in enumerate(SPECULATE):
             params = INFINIGEN | {"alpha": 8.0, "budget": budget, "skip_layers": 2, "speculate_from": option}
+            kv = budget + 0.06
             runs.append(run("smollm2-135m", "infinigen", "ppl", params, shape,
-                            [{"ppl": 21.0 - 0.3 * i, "kv_fraction": budget + 0.06, "stats": stats(budget + 0.06, 0.8)}]))
+                            [{"ppl": 21.0 - 0.3 * i, "kv_fraction": kv, "stats": stats(kv, 0.8)}]))
     return runs
 
 
