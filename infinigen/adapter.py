@@ -165,6 +165,12 @@ def post_attention_norm(block) -> torch.nn.Module:
     return block.final_layer_norm if block.do_layer_norm_before else block.self_attn_layer_norm
 
 
+def pre_norm(model) -> bool:
+    """Whether each block normalises its attention input (Llama, OPT >= 1.3B / 125M) rather than its output
+    (OPT-350M, `do_layer_norm_before=False`): only then is the residual stream an un-normalised input."""
+    return bool(getattr(model.config, "do_layer_norm_before", True))
+
+
 def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(first, last) module of a decoder block's feed-forward part, for timing hooks: Llama's `mlp`, OPT's fc1..fc2."""
     if hasattr(block, "mlp"):
@@ -369,7 +375,8 @@ class Session:
     attention: str = "fused"  # kernel of multi-token forwards (sim mode, decode prefill): ATTENTION_KERNELS
     cache: Cache | None = None
     attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
-    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> the residual stream entering it
+    # captured only for a method whose `captures` names them (each is a (b, t, hidden) tensor per layer):
+    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual stream entering its block
     attn_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual after its attention
     position_embeddings: Any = None
     model: Any = None
@@ -419,6 +426,41 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, _mask)
 
 
+CAPTURES = ("block_inputs", "attn_residuals")
+
+
+def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Module, Callable]]:
+    """(module, forward pre-hook) pairs filling the residual-stream captures a method asks for."""
+    unknown = set(captures) - set(CAPTURES)
+    if unknown:
+        raise ValueError(f"unknown captures {sorted(unknown)}; known: {CAPTURES}")
+    if captures and not pre_norm(model):
+        raise ValueError(f"{session.method!r} reads the residual stream ({', '.join(captures)}) through the next "
+                         "layer's input norm; this OPT model normalises after attention and the MLP "
+                         "(do_layer_norm_before=False), so it has no input norm")
+
+    def block_input(i):
+        def hook(module, args, kwargs):
+            session.block_inputs[i] = args[0] if args else kwargs["hidden_states"]  # (b, t, hidden)
+
+        return hook
+
+    def attn_residual(i):
+        def hook(module, args, kwargs):
+            # OPT flattens to (b*t, hidden) before this norm; the attention input has the (b, t, hidden) shape
+            session.attn_residuals[i] = args[0].view(session.attn_inputs[i].shape)
+
+        return hook
+
+    hooks = []
+    for i, block in enumerate(decoder_layers(model)):
+        if "block_inputs" in captures:
+            hooks.append((block, block_input(i)))
+        if "attn_residuals" in captures:
+            hooks.append((post_attention_norm(block), attn_residual(i)))
+    return hooks
+
+
 @contextmanager
 def attn_implementation(model, name: str):
     """The model's own attention ("eager", "sdpa", ...) for the block: the reference forwards benchmarks time."""
@@ -433,7 +475,9 @@ def attn_implementation(model, name: str):
 @contextmanager
 def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache | None = None, max_len: int = 0,
             attention: str = "fused"):
-    """Route every attention layer of `model` through `method` until the block exits."""
+    """Route every attention layer of `model` through `method` until the block exits. Besides each layer's
+    attention input, the residual-stream tensors named in `method.captures` are recorded on the session, and
+    `method.attention_end(session, layer)` is called once a layer's attention output joined the residual stream."""
     if mode not in ("sim", "decode"):
         raise ValueError(f"mode must be 'sim' or 'decode', got {mode!r}")
     check_attention(attention)
@@ -441,6 +485,7 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
     layers = attention_layers(model)
     session = Session(method=method, mode=mode, layers=layers, dense_rows=dense_rows, cache=cache, max_len=max_len,
                       attention=attention)
+    residual_hooks = _residual_hooks(model, session, getattr(method, "captures", ()))
     previous = model.config._attn_implementation
     handles = []
 
@@ -452,24 +497,19 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
 
         return hook
 
-    def residual_in(attn_layer):
-        def hook(module, args, kwargs):
-            session.block_inputs[attn_layer.index] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
     def attention_end(attn_layer):
         def hook(module, args):
-            session.attn_residuals[attn_layer.index] = args[0]
             session.method.attention_end(session, attn_layer)
 
         return hook
 
     outer = {id(layer.module): _BOUND.get(id(layer.module)) for layer in layers}  # installs may nest
-    for layer, block in zip(layers, decoder_layers(model)):
+    for layer in layers:
         _BOUND[id(layer.module)] = (session, layer)
         handles.append(layer.module.register_forward_pre_hook(capture(layer), with_kwargs=True))
-        handles.append(block.register_forward_pre_hook(residual_in(layer), with_kwargs=True))
+    for module, hook in residual_hooks:  # before the attention_end hooks, which may read what they capture
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    for layer, block in zip(layers, decoder_layers(model)):
         handles.append(post_attention_norm(block).register_forward_pre_hook(attention_end(layer)))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)

@@ -15,7 +15,8 @@ TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 # Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
 VARIANTS = {
-    "infinigen": [{}, {"capacity": 0.8}],
+    "infinigen": [{}, {"capacity": 0.8}, {"speculate_from": "block_input"}, {"speculate_from": "after_attention"},
+                  {"speculate_from": "current"}],
     "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
     "quant": [{}, {"bits": 2}],
     "streaming": [{}, {"recent": 32}],

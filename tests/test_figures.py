@@ -15,6 +15,7 @@ from analysis import figures, store, tables
 H2O = [0.25, 0.125, 0.0625, 0.03125]
 BITS = [8, 4, 2, 1]
 PAIRS = [(5.0, 0.2), (7.0, 0.2), (7.0, 0.6), (7.0, 0.8)]
+SPECULATE = ("previous", "block_input", "after_attention", "current")
 INFINIGEN = {"alpha": 4.0, "partial_ratio": 0.2, "budget": 0.2, "capacity": 1.0, "eviction": "counter",
              "skew": True, "skip_layers": 1, "calib_data_dir": "/data"}
 
@@ -77,6 +78,18 @@ def ppl_runs():
                         {"dataset": "wikitext2", "seq_len": 1024, "max_windows": 1},
                         [{"ppl": 20 + 3 / alpha + 0.5 / partial, "kv_fraction": 0.02 * alpha,
                           "stats": stats(0.02 * alpha)}]))
+    # the speculation-input ablation: two budgets per option, the oracle and full on the same windows
+    shape = {"dataset": "wikitext2", "seq_len": 2048, "max_windows": 8}
+    runs.append(run("smollm2-135m", "full", "ppl", {}, shape, [{"ppl": 19.0}]))
+    for budget in (0.1, 0.2):
+        runs.append(run("smollm2-135m", "oracle", "ppl", {"alpha": math.inf, "budget": budget, "skip_layers": 2}, shape,
+                        [{"ppl": 19.5 + 2 * (0.2 - budget), "kv_fraction": budget + 0.05,
+                          "stats": stats(budget + 0.05, 0.9)}]))
+        for i, option in enumerate(SPECULATE):
+            params = INFINIGEN | {"alpha": 8.0, "budget": budget, "skip_layers": 2, "speculate_from": option}
+            kv = budget + 0.06
+            runs.append(run("smollm2-135m", "infinigen", "ppl", params, shape,
+                            [{"ppl": 21.0 - 0.3 * i, "kv_fraction": kv, "stats": stats(kv, 0.8)}]))
     return runs
 
 
@@ -172,6 +185,16 @@ def test_fig12_chunks_and_fig13_pairs(synthetic):
     assert set(bars["task"]) == {"copa", "openbookqa", "winogrande", "piqa", "rte"}
     # full is only compared on the tasks the pair ran, at the same shots
     assert len(bars) == 15
+
+
+def test_fig13_speculation_options_side_by_side(synthetic):
+    _, numbers = figures.fig13_speculation(store.load(synthetic))
+    assert set(numbers["panel"]) == {"smollm2-135m / wikitext2 / 8 x 2048"}
+    curves = {f"infinigen (speculate_from={o})" for o in SPECULATE} | {"oracle", "full"}
+    assert set(numbers["curve"]) == curves
+    assert len(numbers) == 2 * len(SPECULATE) + 2 + 1  # the Fig. 17 sweeps (one option, 1 window) are left out
+    block = numbers[numbers["curve"] == "infinigen (speculate_from=block_input)"].sort_values("kv_pct")
+    assert block["kv_pct"].tolist() == pytest.approx([16.0, 26.0]) and block["ppl"].tolist() == [20.7, 20.7]
 
 
 def test_latency_ablation_and_eviction_numbers(synthetic):

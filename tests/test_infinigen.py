@@ -69,6 +69,71 @@ def test_full_ratio_unskewed_speculation_from_the_true_query_is_the_oracle(name)
     assert oracle.stats.mean("kv_fraction") < 0.6
 
 
+def _randomise_norms(model, seed=0):
+    """Give every layer its own input-norm weights (random init makes them all ones, bias zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    for layer in adapter.attention_layers(model):
+        for p in layer.input_norm.parameters():
+            p.data.add_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama-gqa"])
+def test_residual_captures_are_the_block_stream(name):
+    """block_inputs[i] is what layer i normalises into its attention input; attn_residuals[i] is that plus layer i's
+    attention output (the residual before the MLP)."""
+    model = fresh(name)
+    _randomise_norms(model)
+    ids = sample_ids(name, 40)
+    method = method_from_conf("full")
+    method.captures = ("block_inputs", "attn_residuals")
+    attn_out = {}
+    blocks = adapter.decoder_layers(model)
+    hooks = [b.self_attn.register_forward_hook(lambda m, a, out, i=i: attn_out.__setitem__(i, out[0]))
+             for i, b in enumerate(blocks)]
+    with torch.inference_mode(), adapter.install(model, method, mode="sim", max_len=ids.shape[1]) as session:
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    for layer in session.layers:
+        i = layer.index
+        torch.testing.assert_close(layer.input_norm(session.block_inputs[i]), session.attn_inputs[i], atol=0, rtol=0)
+        torch.testing.assert_close(session.attn_residuals[i], session.block_inputs[i] + attn_out[i], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama-gqa"])
+def test_block_input_speculation_differs_from_the_paper_only_by_the_norm(name):
+    """norm_i(h_{i-1}) is the paper's norm_{i-1}(h_{i-1}) when the two norms are equal, and not otherwise."""
+    model = fresh(name)
+    ids = sample_ids(name, 64)
+
+    def run(speculate_from):
+        method = method_from_conf("infinigen", budget=0.25, speculate_from=speculate_from, cache_dir=None)
+        return runtime.sim_logits(model, method, ids), method.stats.mean("kv_fraction")
+
+    paper = run("previous")
+    torch.testing.assert_close(run("block_input")[0], paper[0], atol=0, rtol=0)  # random init: identical norms
+    _randomise_norms(model)
+    paper, shared = run("previous"), run("block_input")
+    assert not torch.allclose(shared[0], paper[0], atol=1e-3)
+    assert not torch.allclose(run("after_attention")[0], shared[0], atol=1e-3)
+
+
+def test_residual_speculation_needs_pre_norm_blocks():
+    model = adapter.load(model_cfg("tiny-opt", arch={"do_layer_norm_before": False}))[0]
+    ids = sample_ids("tiny-opt", 32)
+    runtime.sim_logits(model, method_from_conf("infinigen", cache_dir=None), ids)  # the paper's option still runs
+    for option in ("block_input", "after_attention"):
+        with pytest.raises(ValueError, match="do_layer_norm_before"):
+            runtime.sim_logits(model, method_from_conf("infinigen", speculate_from=option, cache_dir=None), ids)
+
+
+def test_speculation_points():
+    points = {o: method_from_conf("infinigen", speculate_from=o).speculation_point
+              for o in ("previous", "block_input", "after_attention", "current")}
+    assert points == {"previous": "attention_start", "block_input": "attention_start",
+                      "after_attention": "attention_end", "current": None}
+
+
 def test_select_respects_the_cap_and_the_candidates():
     gen = torch.Generator().manual_seed(0)
     b, hk, g, r, L = 2, 3, 3, 40, 40
@@ -136,6 +201,7 @@ def test_calibration_is_cached_on_disk(tmp_path):
 
 def test_bad_hyperparameters_are_rejected():
     for bad in [{"alpha": 0}, {"budget": 1.5}, {"partial_ratio": 0}, {"eviction": "random"}, {"gqa_reduce": "x"},
-                {"skip_layers": 0}, {"capacity": -1}]:
+                {"skip_layers": 0}, {"capacity": -1}, {"speculate_from": "next"},
+                {"speculate_from": "block_input", "skip_layers": 0}]:
         with pytest.raises(InstantiationException, match="ValueError"):
             method_from_conf("infinigen", **bad)

@@ -2,9 +2,10 @@
 Cache Management", OSDI'24).
 
 While layer i-1 runs, its attention input x is pushed through layer i's *partial* query weight (skewed, only
-`partial_ratio` of the columns) and scored against layer i's partial key cache. Per head the tokens within
-`alpha` of the best score are counted; the mean count over heads, capped at `budget` x sequence length, is
-how many tokens each KV head fetches (its top scorers). The full KV lives in a host-side pool of `capacity`
+`partial_ratio` of the columns) and scored against layer i's partial key cache. (`speculate_from` chooses x:
+the paper's choice is the default, the others are this project's ablation, see `SPECULATE_FROM`.) Per head the
+tokens within `alpha` of the best score are counted; the mean count over heads, capped at `budget` x sequence
+length, is how many tokens each KV head fetches (its top scorers). The full KV lives in a host-side pool of `capacity`
 that evicts one token per step (`counter`, `lru` or `fifo`) when full.
 """
 
@@ -21,7 +22,20 @@ from infinigen.adapter import Session, encode, tokenizer_of
 from infinigen.infinigen_method.selective_attention import SelectiveAttention
 from infinigen.infinigen_method.skew import Skew, calibrate
 
-SPECULATE_FROM = ("previous", "current")
+# The speculation input x for layer i (pushed through layer i's partial query weight):
+#   previous        layer i-1's normalised attention input, norm_{i-1}(h_{i-1}) (the paper, Sec. 4.3)
+#   block_input     layer i's input norm on the residual stream entering block i-1, norm_i(h_{i-1}): the same
+#                   vector, but normalised with the weights (and, for OPT, bias) layer i's queries see
+#   after_attention layer i's input norm on the residual after block i-1's attention, norm_i(h_{i-1} + attn_{i-1}):
+#                   one MLP closer to layer i's true input
+#   current         layer i's own input (ablation: an upper bound with no prefetch window)
+SPECULATE_FROM = ("previous", "block_input", "after_attention", "current")
+# When, during layer i-1, layer i's selection is known (what a prefetch can hide: "attention_start" leaves layer
+# i-1's attention and MLP to overlap the fetch, "attention_end" only its MLP; None: no prefetch possible).
+SPECULATION_POINT = {"previous": "attention_start", "block_input": "attention_start",
+                     "after_attention": "attention_end", "current": "query"}
+# Residual-stream tensors the adapter must capture for each option (the attention inputs are always captured).
+CAPTURES = {"block_input": ("block_inputs",), "after_attention": ("attn_residuals",)}
 PARTIAL_SELECT = ("q", "qk")
 
 
@@ -38,8 +52,8 @@ class InfiniGen(SelectiveAttention):
     partial_ratio: float = 0.2
     skew: bool = True
     partial_select: str = "q"  # "q": top columns of |Q|; "qk": union of top columns of |Q| and |K|
-    speculate_from: str = "previous"  # "current" = ablation: speculate with the layer's own input
-    calibration: str = "pg19"  # a corpus spec (experiments/data.py): a name, file:PATH or hf:PATH/CONFIG/SPLIT/COLUMN
+    speculate_from: str = "previous"  # see SPECULATE_FROM: previous | block_input | after_attention | current
+    calibration: str = "pg19"  # a corpus spec (infinigen/corpora.py): a name, file:PATH or hf:PATH/CONFIG/SPLIT/COLUMN
     calib_tokens: int = 2048
     calib_data_dir: str | None = None
     cache_dir: str | None = ".cache/infinigen"
@@ -52,7 +66,7 @@ class InfiniGen(SelectiveAttention):
             raise ValueError(f"partial_select must be one of {PARTIAL_SELECT}, got {self.partial_select!r}")
         if self.speculate_from not in SPECULATE_FROM:
             raise ValueError(f"speculate_from must be one of {SPECULATE_FROM}, got {self.speculate_from!r}")
-        if self.speculate_from == "previous" and self.skip_layers < 1:
+        if self.speculate_from != "current" and self.skip_layers < 1:
             raise ValueError("skip_layers must be >= 1: layer 0 has no previous layer to speculate from")
         if self.calib_tokens < 16:
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
@@ -60,10 +74,17 @@ class InfiniGen(SelectiveAttention):
         self.skewing: Skew | None = None
 
     @property
+    def captures(self) -> tuple[str, ...]:
+        """What `adapter.install` records beyond the attention inputs (only what the speculation reads)."""
+        return CAPTURES.get(self.speculate_from, ())
+
+    @property
     def speculation_point(self) -> str:
-        """The selection for layer i is known once layer i-1's attention starts (its input is the speculation's);
-        speculating from the layer's own input needs that layer's turn (a synchronous gather)."""
-        return "attention_start" if self.speculate_from == "previous" else "query"
+        """When during layer i-1 layer i's speculated query can be computed: "attention_start" (from layer i-1's
+        attention input / its block input, before its attention), "attention_end" (after its attention and
+        residual add, before its MLP), "query" (speculate_from=current: only at layer i itself, a synchronous
+        gather)."""
+        return SPECULATION_POINT[self.speculate_from]
 
     # ------------------------------------------------------------------ calibration
     def bind(self, session: Session) -> None:
@@ -84,14 +105,29 @@ class InfiniGen(SelectiveAttention):
         return ids[:limit][None].to(model.device)
 
     # ------------------------------------------------------------------ speculation
-    def score_queries(self, session, layer, q):
-        """Layer i's partial query, computed from layer i-1's attention input: (b, h_kv, g, t, r), the kept
-        columns only. `q` (the true query) is deliberately unused unless speculate_from == "current"."""
-        source = layer.index - 1 if self.speculate_from == "previous" else layer.index
-        x = session.attn_inputs[source]  # (b, t, hidden)
+    def speculation_input(self, session: Session, layer: AttentionLayer) -> torch.Tensor:
+        """(b, t, hidden): what layer i's partial query weight is applied to, per `speculate_from`."""
+        i = layer.index
+        if self.speculate_from == "previous":
+            return session.attn_inputs[i - 1]
+        if self.speculate_from == "block_input":
+            return layer.input_norm(session.block_inputs[i - 1])
+        if self.speculate_from == "after_attention":
+            return layer.input_norm(session.attn_residuals[i - 1])
+        return session.attn_inputs[i]
+
+    def speculation_queries(self, session: Session, layer: AttentionLayer) -> torch.Tensor:
+        """Layer i's speculated partial query from what the session captured: (b, h_kv, g, t, d), skewed, unkept
+        columns zero. The same skew and columns as the partial key cache (calibrated on the true queries)."""
+        x = self.speculation_input(session, layer)  # (b, t, hidden)
         spec = layer.queries(x, session.position_embeddings)  # (b, h, t, d): rotated at the current positions
         b, h, t, d = spec.shape
         return self.skewing.compact(spec.view(b, layer.num_kv_heads, layer.groups, t, d), layer.index)
+
+    def score_queries(self, session, layer, q):
+        """`q` (the true query) is deliberately unused: even speculate_from=current recomputes it from the
+        layer's input, through the partial weight."""
+        return self.speculation_queries(session, layer)
 
     def score_keys(self, layer, k):
         return self.skewing.compact(k, layer.index)  # (b, h_kv, s, r): the partial key cache

@@ -67,6 +67,11 @@ class OffloadedMethod:
         self.rt, self.method, self.executors = rt, method, executors
         self.decoding = False
 
+    @property
+    def captures(self) -> tuple[str, ...]:
+        """What the adapter records for the method (its speculation may read the residual stream)."""
+        return getattr(self.method, "captures", ())
+
     def bind(self, session) -> None:
         self.method.bind(session)
 
