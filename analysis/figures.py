@@ -24,11 +24,13 @@ from matplotlib.figure import Figure
 from analysis import store
 
 COLORS = {"full": "black", "offload": "tab:gray", "h2o": "tab:orange", "quant": "tab:green",
-          "infinigen": "tab:blue", "oracle": "tab:purple", "streaming": "tab:brown"}
+          "infinigen": "tab:blue", "oracle": "tab:purple", "streaming": "tab:brown",
+          "quest": "tab:cyan", "snapkv": "tab:pink", "kivi": "tab:olive"}
 MARKERS = "osD^v<>Px*"
 # hyperparameters that set a method's KV size: they place a point on a curve instead of naming a curve
 SIZE_PARAMS = {"h2o": {"heavy", "recent"}, "quant": {"bits"}, "infinigen": {"alpha", "budget", "max_num_kv"},
-               "oracle": {"budget", "alpha", "max_num_kv"}, "streaming": {"sinks", "recent"}}
+               "oracle": {"budget", "alpha", "max_num_kv"}, "streaming": {"sinks", "recent"},
+               "quest": {"budget", "page_size"}, "snapkv": {"budget", "window"}, "kivi": {"bits", "residual"}}
 # method_params that do not change results (paths, bookkeeping) and never name a curve
 IGNORED_PARAMS = {"name", "calib_data_dir", "cache_dir", "track_recall"}
 # models in order of parameter count (unknown models come after these, in store order)
@@ -104,10 +106,11 @@ def per_panel(df: pd.DataFrame, point_params: Callable[[str], set[str]] = lambda
 
 def bytes_ratio(df: pd.DataFrame) -> pd.Series:
     """Size of a cached entry relative to a 16-bit one: metrics/stats `kv_bytes_ratio` when the method reports
-    it, else bits/16 for quant (codes only, as the paper's axis; fp16 scales add 4 bytes per group), else 1."""
+    it, else bits/16 for quant and kivi (codes only, as the paper's axis; fp16 scales add 4 bytes per group and
+    kivi's fp residual more; cache_bytes has the measured total), else 1."""
     ratio = metric(df, "kv_bytes_ratio")
     bits = pd.to_numeric(column(df, "method_params.bits"), errors="coerce")
-    quant = (df["method"] == "quant") & bits.notna()
+    quant = df["method"].isin(["quant", "kivi"]) & bits.notna()
     return ratio.fillna(pd.Series(np.where(quant, bits / 16, 1.0), index=df.index))
 
 
