@@ -114,10 +114,11 @@ def per_panel(df: pd.DataFrame, point_params: Callable[[str, pd.DataFrame], set[
 
 def bytes_ratio(df: pd.DataFrame) -> pd.Series:
     """Size of a cached entry relative to a 16-bit one: metrics/stats `kv_bytes_ratio` when the method reports
-    it, else bits/16 for quant (codes only, as the paper's axis; fp16 scales add 4 bytes per group), else 1."""
+    it, else bits/16 for quant and kivi (codes only, as the paper's axis; fp16 scales add 4 bytes per group and
+    kivi's fp residual more; cache_bytes has the measured total), else 1."""
     ratio = metric(df, "kv_bytes_ratio")
     bits = pd.to_numeric(column(df, "method_params.bits"), errors="coerce")
-    quant = (df["method"] == "quant") & bits.notna()
+    quant = df["method"].isin(["quant", "kivi"]) & bits.notna()
     return ratio.fillna(pd.Series(np.where(quant, bits / 16, 1.0), index=df.index))
 
 

@@ -184,6 +184,10 @@ def validate(cfg: DictConfig):
     module.validate(cfg.task, cfg.data_dir)
     # first heavy import: the method classes bring torch and transformers' cache classes
     method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
+    no_prompt = cfg.task.name == "ppl" or (cfg.task.name == "lm_eval" and cfg.task.get("protocol") == "paper")
+    if method.needs_prompt and no_prompt and not cfg.task.get("dense_rows"):
+        raise ValueError(f"{type(method).__name__} compresses a prompt: task.dense_rows=0 leaves none (set "
+                         "task.dense_rows to the prompt length, or task.protocol=serving for lm_eval)")
     from infinigen import adapter
 
     adapter.resolve_device(cfg.get("device"))

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from infinigen.models import (  # noqa: F401 (re-exported)
-    ModelUnavailable, check_attention, check_supported, source, validate_model,
+    ATTENTION_KERNELS, ModelUnavailable, check_attention, check_supported, source, validate_model,
 )
 
 ATTN_NAME = "kv_method"

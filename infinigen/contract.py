@@ -184,6 +184,8 @@ class KVMethod:
     offload: ClassVar[str] = "held"  # what an offloading runtime does with this method's KV (OFFLOAD_KINDS)
     # hyperparameters that set how much KV the method keeps or attends: figures place points along them
     size_params: ClassVar[tuple[str, ...]] = ()
+    # a method that compresses a prompt (SnapKV) has nothing to do without one: sim mode needs dense_rows > 0
+    needs_prompt: ClassVar[bool] = False
 
     def __post_init__(self):
         check_field_types(self)

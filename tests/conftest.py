@@ -20,6 +20,11 @@ VARIANTS = {
     "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
     "quant": [{}, {"bits": 2}],
     "streaming": [{}, {"recent": 32}],
+    # the defaults (pages of 16, 2 dense layers; window 32; residual 128) barely act on 72 tokens and 3 layers
+    "quest": [{}, {"page_size": 4, "skip_layers": 0},
+              {"page_size": 8, "budget": 0.4, "gqa_reduce": "sum", "skip_layers": 1}],
+    "snapkv": [{}, {"window": 8, "budget": 0.5, "kernel": 3}, {"window": 8, "budget": 20, "pooling": "avg"}],
+    "kivi": [{}, {"residual": 32, "group_size": 16}, {"bits": 4, "residual": 16, "group_size": 8}],
 }
 
 torch.set_num_threads(max(1, torch.get_num_threads()))

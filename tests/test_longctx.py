@@ -40,6 +40,8 @@ def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
     model, _ = load_model("tiny-llama-gqa", "float64")
     ids = random_ids(100, model.config.vocab_size, batch=2)
     out = {}
+    if dense_rows == 0 and method_from_conf(method_name, **overrides).needs_prompt:
+        pytest.skip(f"{method_name} compresses a prompt: dense_rows=0 is refused (tested in test_comparators)")
     for kernel in adapter.ATTENTION_KERNELS:
         method = method_from_conf(method_name, **overrides)
         logp = modes.sim_logits(model, method, ids, dense_rows=dense_rows, attention=kernel)
