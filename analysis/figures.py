@@ -339,7 +339,7 @@ def speculation_rows(df: pd.DataFrame) -> pd.DataFrame:
     if gen.empty or col not in gen:
         return rows.iloc[0:0]
     gen[col] = gen[col].fillna("previous")  # the only behaviour before the option existed
-    others = [c for c in param_columns(gen) if c != col and c.split(".", 1)[1] not in size_params("infinigen")]
+    others = [c for c in param_columns(gen) if c != col and c.split(".", 1)[1] not in size_params("infinigen", gen)]
     gen["group"] = gen[["setting", *others]].map(short).agg(" | ".join, axis=1)
     gen = gen[gen.groupby("group")[col].transform("nunique") >= 2]
     refs = rows[rows["method"].isin(["full", "oracle"]) & rows["setting"].isin(gen["setting"])]

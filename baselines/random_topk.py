@@ -48,15 +48,13 @@ class RandomTopK(GatheringMethod):
     def max_selected(self, max_len: int) -> int:
         return max(1, self.count(max_len))
 
-    def sim_keep(self, session, layer, q, k, allowed):
-        t, s = q.shape[2], k.shape[2]
-        keep = torch.zeros(t, s, dtype=torch.bool)
-        for row in range(t):
-            position = s - t + row
-            keep[row, position] = True
+    def sim_keep(self, session, layer, state, rows, s):
+        keep = torch.zeros(len(rows), s, dtype=torch.bool)  # (r, s)
+        for i, position in enumerate(rows.tolist()):
+            keep[i, position] = True
             if position >= session.dense_rows:
-                keep[row, :position] = self.chosen(layer.index, position)
-        return keep.to(q.device)[None, None]  # (1, 1, t, s)
+                keep[i, :position] = self.chosen(layer.index, position)
+        return keep.to(rows.device)[None, None]  # (1, 1, r, s)
 
     def select(self, session, layer, q, store, past, position):
         keep = self.chosen(layer.index, position).to(store.positions.device)  # (past,): entry n is position n

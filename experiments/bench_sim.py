@@ -142,6 +142,14 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown method(s) {unknown}; conf/method has {available}")
     overrides = method_overrides(args.set, names)
     methods = {name: build_method(name, overrides.get(name, []), args.data_dir) for name in names}  # fail early
+    if not args.dense_rows:  # a prompt-compressing method (SnapKV) has no prompt to compress at dense_rows=0
+        skipped = [name for name, m in methods.items() if m.needs_prompt]
+        if skipped and args.methods:
+            raise SystemExit(f"{skipped} compress a prompt: give --dense-rows > 0")
+        for name in skipped:
+            print(f"# {name}: skipped (compresses a prompt; run with --dense-rows > 0)")
+            del methods[name]
+        names = [n for n in names if n not in skipped]
     labels = {name: name + "".join(f" {o}" for o in overrides.get(name, [])) for name in names}
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, ROOT
+from conftest import DATA_DIR, ROOT, method_from_conf
 from experiments import runner
 from infinigen import adapter
 
@@ -110,6 +110,10 @@ def test_every_model_method_task_composes_and_validates(task):
     for model, method in itertools.product(MODELS, METHODS):
         # ppl's default seq_len (2048) is past the tiny models' 1024 positions: refused, as it should be
         fits = ["task.seq_len=1024"] if task == "ppl" and model.startswith("tiny-") else []
+        fits += ["task.lengths=[512]"] if task == "needle" and model.startswith("tiny-") else []
+        # a prompt-compressing method (SnapKV) is refused without a prompt: give the tasks that default to none one
+        if task in ("ppl", "lm_eval") and method_from_conf(method).needs_prompt:
+            fits.append("task.dense_rows=256")
         cfg = compose_cfg([f"model={model}", f"method={method}", f"task={task}", *fits])
         assert (cfg.model.name, cfg.task.name) == (model, task)
         runner.validate(cfg)

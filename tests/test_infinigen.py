@@ -108,7 +108,7 @@ def test_block_input_speculation_differs_from_the_paper_only_by_the_norm(name):
 
     def run(speculate_from):
         method = method_from_conf("infinigen", budget=0.25, speculate_from=speculate_from, cache_dir=None)
-        return runtime.sim_logits(model, method, ids), method.stats.mean("kv_fraction")
+        return modes.sim_logits(model, method, ids), method.stats.mean("kv_fraction")
 
     paper = run("previous")
     torch.testing.assert_close(run("block_input")[0], paper[0], atol=0, rtol=0)  # random init: identical norms
@@ -121,17 +121,17 @@ def test_block_input_speculation_differs_from_the_paper_only_by_the_norm(name):
 def test_residual_speculation_needs_pre_norm_blocks():
     model = adapter.load(model_cfg("tiny-opt", arch={"do_layer_norm_before": False}))[0]
     ids = sample_ids("tiny-opt", 32)
-    runtime.sim_logits(model, method_from_conf("infinigen", cache_dir=None), ids)  # the paper's option still runs
+    modes.sim_logits(model, method_from_conf("infinigen", cache_dir=None), ids)  # the paper's option still runs
     for option in ("block_input", "after_attention"):
         with pytest.raises(ValueError, match="do_layer_norm_before"):
-            runtime.sim_logits(model, method_from_conf("infinigen", speculate_from=option, cache_dir=None), ids)
+            modes.sim_logits(model, method_from_conf("infinigen", speculate_from=option, cache_dir=None), ids)
 
 
 def test_speculation_points():
     points = {o: method_from_conf("infinigen", speculate_from=o).speculation_point
               for o in ("previous", "block_input", "after_attention", "current")}
     assert points == {"previous": "attention_start", "block_input": "attention_start",
-                      "after_attention": "attention_end", "current": None}
+                      "after_attention": "attention_end", "current": "query"}
 
 
 def test_select_respects_the_cap_and_the_candidates():
