@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from infinigen import adapter
+
     data_dir = args.data_dir if Path(args.data_dir).is_dir() else None
     sets = parse_sets(args.set)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
