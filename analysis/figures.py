@@ -31,7 +31,8 @@ MARKERS = "osD^v<>Px*"
 # hyperparameters that set a method's KV size (they place a point on a curve instead of naming a curve): rows carry
 # them (method_params.size_params, from the method's `size_params`); these are for rows written before they did
 LEGACY_SIZE_PARAMS = {"h2o": {"heavy", "recent"}, "quant": {"bits"}, "infinigen": {"alpha", "budget", "max_num_kv"},
-               "oracle": {"budget", "alpha", "max_num_kv"}, "streaming": {"sinks", "recent"}}
+               "oracle": {"budget", "alpha", "max_num_kv"}, "streaming": {"sinks", "recent"},
+               "kivi": {"bits", "residual"}, "quest": {"budget", "page_size"}, "snapkv": {"budget", "window"}}
 # method_params that do not change results (paths, bookkeeping) and never name a curve
 IGNORED_PARAMS = {"name", "size_params", "calib_data_dir", "cache_dir", "track_recall"}
 # models in order of parameter count (unknown models come after these, in store order)

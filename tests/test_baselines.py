@@ -305,7 +305,7 @@ def test_quant_group_must_divide_head_dim():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [2])  # 4 bits is the contract test's default case on smollm2
 def test_quant_sim_equals_decode_smollm2_float64(bits):
     """The contract on the real model, in float64: in float32 the ~1e-6 difference between a batched and a
     one-token forward flips a few integer codes, and each flip (one quantisation step) perturbs later tokens

@@ -27,9 +27,9 @@ REAL_TOL = 1e-4  # smollm2: its packed fp32 linear layers bound the agreement (1
 FP32_METHODS = ["full", "offload", "streaming"]
 
 
-def cases(models):
+def cases(models, variants=True):
     for method in METHODS:
-        for overrides in VARIANTS.get(method, [{}]):
+        for overrides in VARIANTS.get(method, [{}]) if variants else [{}]:
             for model in models:
                 yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
 
@@ -60,7 +60,9 @@ def test_sim_equals_decode_tiny_fp32(method_name, model_name):
     check_contract(method_name, {}, model_name, prompt=48, decoded=24, tol=FP32_TOL)
 
 
+# The real model at each method's defaults: the variants' logic is proven on the tiny models (same code, every
+# variant); this proves the real model's shapes (GQA 9/3, 30 layers, RoPE) and text through every method.
 @pytest.mark.slow
-@pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"])))
+@pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"], variants=False)))
 def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
-    check_contract(method_name, overrides, model_name, prompt=256, decoded=64, dtype=REAL_MODEL_DTYPE, tol=REAL_TOL)
+    check_contract(method_name, overrides, model_name, prompt=160, decoded=32, dtype=REAL_MODEL_DTYPE, tol=REAL_TOL)
