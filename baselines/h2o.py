@@ -105,18 +105,22 @@ class H2O(KVMethod):
         n_dense = min(session.dense_rows, t)
         scale = layer.logit_scale
         masked = torch.finfo(q.dtype).min
-        acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
-        bias = torch.zeros(b, hk, 1, s, dtype=q.dtype, device=q.device)  # 0 = held, `masked` = evicted
+        acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)  # +inf = evicted
         last_row = torch.full((b, hk, s), t, device=q.device)  # last query row that attends each entry
+        evictions: list[tuple[int, torch.Tensor]] = []  # (row, (b, hk, n) entries evicted after it)
         held = 0
 
-        def evict(seen: int, row: int) -> int:
+        def evict(seen: int, row: int, scores=None, i: int = 0) -> int:
+            """Evicts after the step at which `seen` tokens exist; masks the evicted entries in the remaining rows
+            of the chunk's `scores` (b, hk, g, r, r1) (later chunks mask them from acc)."""
             start, n = self.plan(seen, held)
             if n:
                 drop = self.drop_index(acc[..., :start], n)  # (b, hk, n), all < start
                 acc.scatter_(-1, drop, float("inf"))
-                bias[:, :, 0].scatter_(-1, drop, masked)
-                last_row.scatter_(-1, drop, row)
+                evictions.append((row, drop))
+                if scores is not None and i + 1 < scores.shape[3]:
+                    rest = scores[:, :, :, i + 1 :]  # (b, hk, g, r - i - 1, r1)
+                    rest.scatter_(-1, drop[:, :, None, None].expand(*rest.shape[:-1], n), masked)
             return held - n
 
         # the dense prefill: accumulate its rows chunk by chunk, then one bulk eviction (as after_prefill does)
@@ -131,12 +135,17 @@ class H2O(KVMethod):
             for r0, r1 in row_chunks(t - n_dense):
                 r0, r1 = r0 + n_dense, r1 + n_dense
                 scores = logits(q[:, :, r0:r1], k[:, :, :r1], scale)  # (b, hk, g, r, r1)
+                # entries evicted before this chunk: masked for all of its rows at once
+                scores.masked_fill_(acc[:, :, None, None, :r1].isinf(), masked)
                 for i, row in enumerate(range(r0, r1)):
                     seen = row + 1
                     held += 1
-                    sc = scores[:, :, :, i, :seen] + bias[..., :seen]  # (b, hk, g, seen)
-                    acc[..., :seen] += self.reduce(torch.softmax(sc, dim=-1, dtype=torch.float32))
-                    held = evict(seen, row)
+                    probs = torch.softmax(scores[:, :, :, i, :seen], dim=-1, dtype=torch.float32)  # (b, hk, g, seen)
+                    acc[..., :seen] += self.reduce(probs)
+                    held = evict(seen, row, scores, i)
+        if evictions:
+            rows = torch.cat([torch.full_like(drop, row) for row, drop in evictions], dim=-1)
+            last_row.scatter_(-1, torch.cat([drop for _, drop in evictions], dim=-1), rows)
         return last_row
 
     def sim_keep(self, session, layer, last_row, rows, s):

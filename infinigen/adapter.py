@@ -374,12 +374,16 @@ class Session:
     max_len: int = 0  # the longest sequence this session will see (sim: t; decode: prompt + generated)
     attention: str = "fused"  # kernel of multi-token forwards (sim mode, decode prefill): ATTENTION_KERNELS
     cache: Cache | None = None
-    attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its normalised input x
+    # The captures hold the current and the previous layer only (what speculation reads): memory stays O(t), not
+    # O(layers x t). attn_inputs: layer -> its normalised input x
+    attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     # captured only for a method whose `captures` names them (each is a (b, t, hidden) tensor per layer):
     block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual stream entering its block
     attn_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual after its attention
     position_embeddings: Any = None
     model: Any = None
+    plain_causal: bool = True  # the current forward's mask is plain causal (no padding): set per attention call
+    causal_masks: dict = field(default_factory=dict)  # the last causal mask built, by (q_len, kv_len, device)
 
 
 _BOUND: dict[int, tuple[Session, AttentionLayer]] = {}
@@ -403,7 +407,14 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, 
         store = session.cache.layers[layer.index]
         out = session.method.decode_attention(session, layer, query, store)
     else:
-        allowed = _as_allowed(attention_mask, q_len, kv_len, query.device)
+        session.plain_causal = attention_mask is None
+        if attention_mask is None:  # one causal mask per forward, shared by its layers
+            shape = (q_len, kv_len, query.device)
+            if shape not in session.causal_masks:
+                session.causal_masks = {shape: _as_allowed(None, q_len, kv_len, query.device)}
+            allowed = session.causal_masks[shape]
+        else:
+            allowed = _as_allowed(attention_mask, q_len, kv_len, query.device)
         out = session.method.forward_attention(session, layer, query, key, value, allowed)
     return out.transpose(1, 2).contiguous(), None  # (b, q, h, d)
 
@@ -442,6 +453,7 @@ def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Mo
     def block_input(i):
         def hook(module, args, kwargs):
             session.block_inputs[i] = args[0] if args else kwargs["hidden_states"]  # (b, t, hidden)
+            session.block_inputs.pop(i - 2, None)
 
         return hook
 
@@ -449,6 +461,7 @@ def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Mo
         def hook(module, args, kwargs):
             # OPT flattens to (b*t, hidden) before this norm; the attention input has the (b, t, hidden) shape
             session.attn_residuals[i] = args[0].view(session.attn_inputs[i].shape)
+            session.attn_residuals.pop(i - 2, None)
 
         return hook
 
@@ -493,6 +506,7 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             session.attn_inputs[attn_layer.index] = x
+            session.attn_inputs.pop(attn_layer.index - 2, None)
             session.position_embeddings = kwargs.get("position_embeddings")
 
         return hook

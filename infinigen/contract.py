@@ -57,23 +57,48 @@ def attend(
     return out.view(b, h, t, d), (probs if need_probs else None)
 
 
-def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """`attend` through torch's fused SDPA kernel (no probabilities): q (b, h, t, d); k, v (b, h_kv, s, d);
-    keep (b|1, h_kv|1, t, s) bool or None. KV heads are shared through `enable_gqa`, never repeated."""
-    h, hk = q.shape[1], k.shape[1]
+def _flash_kernel(device: torch.device):
+    """torch's fused CPU kernel called directly: it returns each row's log-sum-exp beside the output (what recall
+    is computed from) and takes a float mask as is (SDPA converts a bool mask per call). None off CPU."""
+    if device.type != "cpu":
+        return None
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attend` through torch's fused SDPA kernel: q (b, h, t, d); k, v (b, h_kv, s, d); keep (b|1, h_kv|1, t, s)
+    bool or None (every entry, or with `causal` the causal prefix of t == s rows). KV heads are never repeated:
+    a per-KV-head mask is applied with the g query heads of each KV head folded into one batch entry.
+    Returns out (b, h, t, d) and each row's log-sum-exp of its attended logits (b, h, t), where the device's
+    kernel gives it (CPU), else None."""
+    b, h, t, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    g = h // hk
+    bias, fold = None, False
     if keep is not None:
-        # a row with nothing to attend gets every entry (eager's masked softmax is uniform there; SDPA gives 0)
-        keep = keep | ~keep.any(-1, keepdim=True)
-        if keep.shape[1] > 1 and hk != h:
-            keep = keep.repeat_interleave(h // hk, dim=1)  # (b, h, t, s): query head i reads KV head i // g
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=hk != h)
+        # 0 where kept, the dtype's finite minimum elsewhere (as eager's masked_fill): a row with nothing to
+        # attend is then uniform over every entry, as in eager, instead of NaN
+        bias = keep.to(q.dtype).sub_(1).mul_(-torch.finfo(q.dtype).min)
+        fold = keep.shape[1] > 1 and g > 1
+    if fold:  # (b*hk, g, t, d) queries against (b*hk, 1, s, d): the mask broadcasts over the g heads
+        q, k, v = q.reshape(b * hk, g, t, d), k.reshape(b * hk, 1, s, d), v.reshape(b * hk, 1, s, d)
+        bias = bias.expand(b, hk, t, s).reshape(b * hk, 1, t, s)
+    kernel = _flash_kernel(q.device)
+    if kernel is not None:
+        out, lse = kernel(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out.reshape(b, h, t, d), lse.reshape(b, h, t)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.reshape(b, h, t, d), None
 
 
 def sim_attend(session: Session, q, k, v, keep, scale: float) -> torch.Tensor:
     """One chunk of rows attended by the session's kernel ("fused" SDPA or the "exact" eager math)."""
     if session.attention == "exact":
         return attend(q, k, v, keep, scale)[0]
-    return attend_fused(q, k, v, keep, scale)
+    return attend_fused(q, k, v, keep, scale)[0]
 
 
 def row_chunks(t: int, split_at: int = 0) -> Iterator[tuple[int, int]]:
@@ -243,6 +268,8 @@ class KVMethod:
             return self.prefill_attention(session, layer, q, k, v, allowed)
         t, s = q.shape[2], k.shape[2]
         offset = s - t  # sequence position of query row 0
+        if offset == 0 and session.plain_causal and session.attention == "fused" and self.sim_dense(layer):
+            return self.sim_causal(session, layer, q, k, v)
         state = self.sim_state(session, layer, q, k, v, allowed)
         outs = []
         for r0, r1 in row_chunks(t, session.dense_rows - offset):
@@ -256,6 +283,19 @@ class KVMethod:
             outs.append(sim_attend(session, q[:, :, r0:r1], kc, vc, keep, layer.logit_scale))
             self.record_sim(session, layer, keep, allowed_c, rows)
         return torch.cat(outs, dim=2)  # (b, h, t, d)
+
+    def sim_dense(self, layer: AttentionLayer) -> bool:
+        """Whether every sim-mode row of `layer` attends its whole causal prefix of the real KV: true unless the
+        method defines which entries rows keep (`sim_keep`) or what they see (`sim_kv`)."""
+        return type(self).sim_keep is KVMethod.sim_keep and type(self).sim_kv is KVMethod.sim_kv
+
+    def sim_causal(self, session: Session, layer: AttentionLayer, q, k, v) -> torch.Tensor:
+        """A dense layer over a plain causal sequence: one fused causal call, no mask, no chunks."""
+        out, _ = attend_fused(q, k, v, None, layer.logit_scale, causal=True)
+        decoded = q.shape[2] - min(session.dense_rows, q.shape[2])
+        if decoded:
+            self.stats.add(layer.index, "kv_fraction", q.new_ones(q.shape[0], layer.num_kv_heads, decoded))
+        return out
 
     needs_prefill_probs = False  # set True if after_prefill reads the prefill attention probabilities
 
@@ -289,11 +329,11 @@ class KVMethod:
 
     def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, rows: torch.Tensor) -> None:
         """kv_fraction of the chunk's rows at sequence positions `rows` that are decoded (>= dense_rows)."""
-        decoded = rows >= session.dense_rows
-        if not bool(decoded.any()):
+        first = int((rows < session.dense_rows).sum())  # rows are ascending: the decoded ones come last
+        if first == rows.numel():
             return
-        attended = keep[:, :, decoded].sum(-1).float()  # (b|1, h_kv|1, rows)
-        causal = allowed[:, :, decoded].sum(-1).float()
+        attended = keep[:, :, first:].sum(-1, dtype=torch.int32).float()  # (b|1, h_kv|1, rows)
+        causal = allowed[:, :, first:].sum(-1, dtype=torch.int32).float()
         batch = session.attn_inputs[layer.index].shape[0]  # keep/allowed may be broadcast over the batch
         attended = attended.expand(batch, layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
         self.stats.add(layer.index, "kv_fraction", attended / causal.clamp(min=1))

@@ -86,6 +86,10 @@ def test_residual_captures_are_the_block_stream(name):
     ids = sample_ids(name, 40)
     method = method_from_conf("full")
     method.captures = ("block_inputs", "attn_residuals")
+    captured = {}
+    # read when each layer's attention joined the residual stream: the session holds two layers' captures at once
+    method.attention_end = lambda session, layer: captured.__setitem__(layer.index, (
+        session.block_inputs[layer.index], session.attn_inputs[layer.index], session.attn_residuals[layer.index]))
     attn_out = {}
     blocks = adapter.decoder_layers(model)
     hooks = [b.self_attn.register_forward_hook(lambda m, a, out, i=i: attn_out.__setitem__(i, out[0]))
@@ -94,10 +98,11 @@ def test_residual_captures_are_the_block_stream(name):
         model(ids, use_cache=False)
     for h in hooks:
         h.remove()
+    assert len(session.attn_inputs) == 2  # only the last two layers stay captured
     for layer in session.layers:
-        i = layer.index
-        torch.testing.assert_close(layer.input_norm(session.block_inputs[i]), session.attn_inputs[i], atol=0, rtol=0)
-        torch.testing.assert_close(session.attn_residuals[i], session.block_inputs[i] + attn_out[i], atol=1e-6, rtol=0)
+        block_input, attn_input, attn_residual = captured[layer.index]
+        torch.testing.assert_close(layer.input_norm(block_input), attn_input, atol=0, rtol=0)
+        torch.testing.assert_close(attn_residual, block_input + attn_out[layer.index], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama-gqa"])

@@ -46,28 +46,37 @@ def select(
     probabilities (the attention mass the entry would get across the heads); logit_max / logit_mean.
     """
     b, hk = scores.shape[:2]
+    # leading columns every row may fetch (a causal chunk's past) need no masking: only the rest is touched
+    first = complete_columns(candidates)
     candidates = candidates.expand(b, hk, *candidates.shape[2:])
-    allowed = candidates.unsqueeze(2)  # (b, hk, 1, r, L)
-    masked = scores.masked_fill_(~allowed, MIN)
+    tail = ~candidates[..., first:]  # (b, hk, r, L - first)
+    masked = scores
+    masked[..., first:].masked_fill_(tail.unsqueeze(2), MIN)  # (b, hk, g, r, L)
     top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
-    held = candidates.sum(-1)  # (b, hk, r)
+    held = first + (~tail).sum(-1, dtype=torch.int32).long()  # (b, hk, r)
     if math.isinf(alpha):
         n = held.amin(1)
     else:
-        count = ((masked > top - alpha) & allowed).sum(-1)  # (b, hk, g, r)
+        count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries (MIN) never count
         n = torch.floor(count.double().mean(dim=(1, 2)) + 1e-9).long()
     n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
     if gqa_reduce == "prob_sum":
-        probs = masked.sub_(top).exp_()
-        agg = probs.div_(probs.sum(-1, keepdim=True)).sum(2)
+        agg = torch.softmax(masked, dim=-1).sum(2)
     elif gqa_reduce == "logit_max":
         agg = masked.amax(2)
     elif gqa_reduce == "logit_mean":
         agg = masked.mean(2)
     else:
         raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {gqa_reduce!r}")
-    agg = agg.masked_fill_(~candidates, NEG)  # (b, hk, r, L)
-    return top_n(agg, n) & candidates, n
+    agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
+    # n never exceeds a head's candidates, which all outrank the -inf of the others: the top n are candidates
+    return top_n(agg, n), n
+
+
+def complete_columns(candidates: torch.Tensor) -> int:
+    """How many leading columns of candidates (..., L) are True in every row."""
+    complete = candidates.reshape(-1, candidates.shape[-1]).all(0)  # (L,)
+    return candidates.shape[-1] if bool(complete.all()) else int((~complete).int().argmax())
 
 
 def top_n(agg: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

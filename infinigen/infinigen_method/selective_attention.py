@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.contract import GatheringMethod, attend, logits, row_chunks, sim_attend
+from infinigen.contract import GatheringMethod, attend, attend_fused, logits, row_chunks
 from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
 
 
@@ -90,22 +90,27 @@ class SelectiveAttention(GatheringMethod):
             return super().forward_attention(session, layer, q, k, v, allowed)
         b, t, s = q.shape[0], q.shape[2], k.shape[2]
         assert s == t, "sim mode runs a whole sequence in one forward"
-        qs, ks = self.score_queries(session, layer, q), self.score_keys(layer, k)  # (b,hk,g,t,d), (b,hk,s,d)
+        qs = self.score_queries(session, layer, q) * layer.logit_scale  # (b, hk, g, t, d), scaled once
+        ks = self.score_keys(layer, k)  # (b, hk, s, d)
         limit = self.pool_size(session)
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
+        # recall's denominator without a pool: each row's log-sum-exp over its whole causal prefix, one fused call
+        causal_lse = None
+        if self.track_recall and pool is None and session.plain_causal and session.attention == "fused":
+            causal_lse = attend_fused(q, k, v, None, layer.logit_scale, causal=True)[1]  # (b, h, t) or None
         outs = []
         for r0, r1 in row_chunks(t):  # each chunk against the keys its rows can see (half the work)
-            outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool))
+            outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse))
         return torch.cat(outs, dim=2)
 
-    def _sim_chunk(self, session, layer, q, k, v, allowed, qs, ks, r0, r1, pool):
+    def _sim_chunk(self, session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse):
         """Rows r0..r1-1 against the entries they can see (0..r1-1): select, attend, record."""
         dev = q.device
         rows = torch.arange(r0, r1, device=dev)
         diag = rows[:, None] == torch.arange(r1, device=dev)[None, :]  # (r, s)
         allowed = allowed[..., r0:r1, :r1]  # (b|1, 1, r, s)
         candidates = allowed & ~diag
-        scores = torch.matmul(qs[:, :, :, r0:r1], ks[:, :, None, :r1].transpose(-1, -2)) * layer.logit_scale
+        scores = torch.matmul(qs[:, :, :, r0:r1], ks[:, :, None, :r1].transpose(-1, -2))  # (b, hk, g, r, s)
         if pool is None:
             keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
             held = candidates
@@ -113,13 +118,23 @@ class SelectiveAttention(GatheringMethod):
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
         decoded = rows >= session.dense_rows
         keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
-        out = sim_attend(session, q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], keep, layer.logit_scale)
-        if bool(decoded.any()):
+        first = r1 - r0 - int(decoded.sum())  # rows ascend: the chunk's dense rows come first
+        qc, kc, vc = q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1]
+        if session.attention == "exact":
+            out, lse = attend(qc, kc, vc, keep, layer.logit_scale)[0], None
+        else:
+            out, lse = attend_fused(qc, kc, vc, keep, layer.logit_scale)  # lse (b, h, r) or None
+        if first < r1 - r0:
             self.record_sim(session, layer, keep, allowed, rows)
-            self.stats.add(layer.index, "selected", n[:, decoded].float())
+            self.stats.add(layer.index, "selected", n[:, first:].float())
             if self.track_recall:
-                self._record_recall(layer, q[:, :, r0:r1][:, :, decoded], k[:, :, :r1],
-                                    ((held | diag) & allowed)[:, :, decoded], keep[:, :, decoded])
+                held = (held | diag) & allowed
+                if lse is None:  # the exact kernel, or a device whose fused kernel gives no log-sum-exp
+                    self._record_recall(layer, qc[:, :, first:], kc, held[:, :, first:], keep[:, :, first:])
+                else:  # kept mass / held mass = exp(lse_kept - lse_held), per query head and row
+                    held_lse = (causal_lse[:, :, r0:r1] if causal_lse is not None
+                                else attend_fused(qc, kc, vc, held, layer.logit_scale)[1])
+                    self.stats.add(layer.index, "recall", (lse - held_lse)[:, :, first:].exp())
         return out
 
     def _sim_pool_state(self, session, b, hk, s, limit, dev) -> dict:
@@ -175,8 +190,8 @@ class SelectiveAttention(GatheringMethod):
 
     def select(self, session, layer, q, store, past, position):
         keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, d)
-        scores = torch.matmul(self.score_queries(session, layer, q), keys.unsqueeze(2).transpose(-1, -2))
-        scores = scores * layer.logit_scale  # (b, hk, g, 1, past)
+        qs = self.score_queries(session, layer, q) * layer.logit_scale  # as in sim mode: scaled, then dotted
+        scores = torch.matmul(qs, keys.unsqueeze(2).transpose(-1, -2))  # (b, hk, g, 1, past)
         dev = keys.device
         cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=dev)
         keep, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,
