@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, METHODS, ROOT, VARIANTS, load_model, method_from_conf, random_ids, sample_ids
+from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, random_ids, sample_ids
 from infinigen import modes
 from infinigen.offload.link import Link
 from infinigen.offload.runtime import OffloadRuntime, run_kind, teacher_forced_logits
@@ -23,10 +23,22 @@ from infinigen.offload.timing import Timer
 PROMPT, DECODED = 48, 24
 TOL = 2e-4  # fp32 log-prob agreement, as tests/test_contract.py
 TOL64 = 1e-5  # float64: the issue's bound; measured differences are ~1e-12
-RUNTIME_MODELS = ["tiny-opt", "tiny-llama-gqa"]
-# runtime settings checked beside each method's default (auto): the other placements of its KV
+# Every method's defaults go through the runtime on the GQA llama. Beside them, only settings that change what the
+# runtime does: the other placements of a method's KV (runtime=...), eviction from InfiniGen's pool (capacity < 1),
+# each point where a speculated selection can start its gather (speculate_from), a codec's packed rows (quant
+# bits), Quest with every layer gathering (skip_layers 0). Variants that only change a method's own decode-step
+# math (H2O/StreamingLLM budgets, KIVI/SnapKV, which stay resident) are tests/test_contract.py's.
+RUNTIME_MODEL = "tiny-llama-gqa"
 RUNTIME_VARIANTS = [("full", {}, {"runtime": "offload"}), ("h2o", {}, {"runtime": "ideal"}),
-                    ("infinigen", {}, {"runtime": "ideal"}), ("infinigen", {"speculate_from": "current"}, {})]
+                    ("infinigen", {}, {"runtime": "ideal"}), ("infinigen", {"capacity": 0.8}, {}),
+                    ("infinigen", {"speculate_from": "block_input"}, {}),
+                    ("infinigen", {"speculate_from": "after_attention"}, {}),
+                    ("infinigen", {"speculate_from": "current"}, {}), ("quant", {"bits": 2}, {}),
+                    ("quest", {"page_size": 4, "skip_layers": 0}, {})]
+# OPT (learned positions, skew folded into W_q/W_k, its own residual layout): each kind of run once, and the
+# speculation points that read its residual stream
+OPT_CASES = [("full", {}, {}), ("offload", {}, {}), ("infinigen", {}, {}),
+             ("infinigen", {"speculate_from": "block_input"}, {}), ("infinigen", {"speculate_from": "after_attention"}, {})]
 
 
 def case_id(method, overrides, kwargs):
@@ -34,10 +46,9 @@ def case_id(method, overrides, kwargs):
 
 
 def runtime_cases():
-    cases = [(m, o, {}) for m in METHODS for o in VARIANTS.get(m, [{}])] + RUNTIME_VARIANTS
-    for method, overrides, kwargs in cases:
-        for model in RUNTIME_MODELS:
-            yield pytest.param(method, overrides, kwargs, model, id=f"{case_id(method, overrides, kwargs)}-{model}")
+    cases = [(m, {}, {}, RUNTIME_MODEL) for m in METHODS] + [(*c, RUNTIME_MODEL) for c in RUNTIME_VARIANTS]
+    for method, overrides, kwargs, model in cases + [(*c, "tiny-opt") for c in OPT_CASES]:
+        yield pytest.param(method, overrides, kwargs, model, id=f"{case_id(method, overrides, kwargs)}-{model}")
 
 
 def check_against_sim(model_name, method, overrides, kwargs, prompt, decoded, dtype=None, tol=TOL, batch=1):
@@ -270,7 +281,7 @@ def test_runtime_equals_decode_mode_smollm2(method):
     """On the real model, the runtime gives what the method's own decode mode gives (whether that equals sim mode
     is tests/test_contract.py's question), with the same kv_fraction."""
     model, _ = load_model("smollm2-135m")
-    prompt, decoded = 256, 32
+    prompt, decoded = 64, 16  # each decode step is a forward through the packed real model: the suite's costliest
     ids = sample_ids("smollm2-135m", prompt + decoded)
     plain_m, ours_m = method_from_conf(method), method_from_conf(method)
     plain = modes.decode_logits(model, plain_m, ids, dense_rows=prompt).log_softmax(-1)
