@@ -73,7 +73,8 @@ def preset_runs(preset: str) -> list[list[str]]:
     """The override list of every run `python run.py -m +experiment=<preset>` launches."""
     cfg = compose_cfg([f"+experiment={preset}"], hydra=True)
     params = OmegaConf.to_container(cfg.hydra.sweeper.params or {})
-    overrides = [f"+experiment={preset}"] + [f"{k}={v}" for k, v in params.items()]
+    # the basic sweeper puts its params before the command line's overrides: the preset is applied last
+    overrides = [f"{k}={v}" for k, v in params.items()] + [f"+experiment={preset}"]
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [run for batch in BasicSweeper.split_arguments(parsed, None) for run in batch]
 
@@ -279,3 +280,16 @@ def test_missing_data_file_fails_before_any_model_load(tmp_path):
 def test_unknown_options_fail_at_composition(overrides, tmp_path):
     with pytest.raises(ConfigCompositionException):
         run_cfg(overrides, tmp_path)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if "+point" in
+                                    (yaml.safe_load((CONF / "experiment" / f"{p}.yaml").read_text())
+                                     .get("hydra", {}).get("sweeper", {}).get("params", {}))])
+def test_preset_points_keep_their_method(preset):
+    """A multirun puts the sweeper's `+point=...` before the command line's `+experiment=...`, so a preset that
+    overrides /method would replace the method each point chose (the oracle points of the speculation preset once
+    ran InfiniGen). Every point of every preset composes, in that order, to the method the point alone selects."""
+    for run in preset_runs(preset):
+        point = next(o.split("=", 1)[1] for o in run if o.startswith("+point="))
+        alone = compose_cfg([f"+point={point}"]).method._target_
+        assert compose_cfg(run).method._target_ == alone, (preset, point)

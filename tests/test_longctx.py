@@ -22,7 +22,9 @@ VARIANTS = {
     "streaming": [{"recent": 16}],
 }
 CHUNK = 16  # rows per sim chunk in these tests: the sequences below span several chunks
-LOGPROB_TOL = 1e-6  # float64 model; exact's softmax runs in fp32 (as transformers' eager), fused in fp64
+# float64 model; exact's softmax runs in fp32 (as transformers' eager), fused in fp64: differences of a few 1e-6
+# were seen (3.4e-6 for quant on 80 tokens), so the tolerance leaves ~5x margin for other CPUs' rounding
+LOGPROB_TOL = 2e-5
 
 
 def cases():
