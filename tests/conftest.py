@@ -72,3 +72,17 @@ def data_dir():
     if not Path(DATA_DIR, "wikitext-2").is_dir():
         pytest.skip(f"evaluation data not found at {DATA_DIR} (set DATA_DIR)")
     return DATA_DIR
+
+
+class ModelLoaded(AssertionError):
+    """adapter.load was called where the input should have been refused (or validated) without the model."""
+
+
+def refuse_model_load(monkeypatch) -> None:
+    """Replace adapter.load by a function that fails the test with ModelLoaded."""
+    from infinigen import adapter
+
+    def refuse(*args, **kwargs):
+        raise ModelLoaded("adapter.load was called: the input should have been refused or validated without the model")
+
+    monkeypatch.setattr(adapter, "load", refuse)

@@ -19,9 +19,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, ROOT, method_from_conf
+from conftest import DATA_DIR, ROOT, ModelLoaded, method_from_conf, refuse_model_load
 from experiments import runner
-from infinigen import adapter
 
 CONF = ROOT / "conf"
 pytestmark = pytest.mark.skipif(not (Path(DATA_DIR) / "wikitext-2").is_dir(),
@@ -47,16 +46,9 @@ def preset_task(preset: str) -> str | None:
     return next((v for e in spec.get("defaults", []) for k, v in e.items() if k.endswith("/task")), None)
 
 
-class ModelLoaded(AssertionError):
-    pass
-
-
 @pytest.fixture(autouse=True)
 def no_model_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise ModelLoaded("adapter.load was called: validation must not need the model")
-
-    monkeypatch.setattr(adapter, "load", refuse)
+    refuse_model_load(monkeypatch)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 
 from analysis import store
-from conftest import DATA_DIR, ROOT
+from conftest import DATA_DIR, ROOT, refuse_model_load
 from experiments import runner
 from infinigen import adapter, models
 
@@ -26,16 +26,9 @@ pytestmark = pytest.mark.skipif(not (Path(DATA_DIR) / "wikitext-2").is_dir(),
 TINY_PPL = ["model=tiny-llama", "method=full", "task=ppl", "task.seq_len=32", "task.max_windows=1"]
 
 
-class ModelLoaded(AssertionError):
-    pass
-
-
 @pytest.fixture
 def no_model_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise ModelLoaded("adapter.load was called: the bad input should have been refused before it")
-
-    monkeypatch.setattr(adapter, "load", refuse)
+    refuse_model_load(monkeypatch)
 
 
 @pytest.fixture(scope="module", autouse=True)
