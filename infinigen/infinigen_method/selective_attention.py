@@ -128,12 +128,12 @@ class SelectiveAttention(GatheringMethod):
             self.record_sim(session, layer, keep, allowed, rows)
             self.stats.add(layer.index, "selected", n[:, first:].float())
             if self.track_recall:
-                held = (held | diag) & allowed
                 if lse is None:  # the exact kernel, or a device whose fused kernel gives no log-sum-exp
+                    held = (held | diag) & allowed
                     self._record_recall(layer, qc[:, :, first:], kc, held[:, :, first:], keep[:, :, first:])
                 else:  # kept mass / held mass = exp(lse_kept - lse_held), per query head and row
                     held_lse = (causal_lse[:, :, r0:r1] if causal_lse is not None
-                                else attend_fused(qc, kc, vc, held, layer.logit_scale)[1])
+                                else attend_fused(qc, kc, vc, (held | diag) & allowed, layer.logit_scale)[1])
                     self.stats.add(layer.index, "recall", (lse - held_lse)[:, :, first:].exp())
         return out
 
