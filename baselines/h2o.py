@@ -13,6 +13,22 @@ from baselines.streaming import check_budget, index_of, token_count
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend, logits, row_chunks
 
+
+def row_blocks(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Logits of a chunk of rows laid out row-major, so that one row's (h_kv, g, s) block is contiguous and its
+    softmax reads it in place: q (b, h, r, d) already scaled, k (b, h_kv, s, d) -> (b, r, h_kv, g, s). One
+    matrix product per head written straight into its strided slot (BLAS takes the row stride as is)."""
+    b, h, r, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    g = h // hk
+    out = torch.empty(b, r, hk, g, s, dtype=q.dtype, device=q.device)
+    for i in range(b):
+        for j in range(hk):
+            for head in range(g):
+                torch.mm(q[i, j * g + head], k[i, j].T, out=out[i, :, j, head])
+    return out
+
+
 REDUCE = {
     "sum": lambda p: p.sum(2),  # total attention mass the entry received from its query-head group
     "max": lambda p: p.amax(2),  # the strongest single query head's attention
@@ -95,10 +111,11 @@ class H2O(KVMethod):
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
         """Replays the decode-mode eviction row by row; returns last_row (b, h_kv, s), the last query row that
-        attends each entry (t = never evicted). Logits are computed one chunk of rows at a time, (b, h_kv, g,
-        chunk, <= s), so memory stays linear in t; per row only (b, h_kv, g, t)-sized ops run: evicted entries
-        are masked by an additive bias and carry +inf accumulated attention, so candidates are simply the
-        prefix before the window."""
+        attends each entry (t = never evicted). Logits are computed one chunk of rows at a time, (b, r, h_kv, g,
+        <= s) with a row's block contiguous, so memory stays linear in t and a row's softmax reads it in place;
+        per row only (b, h_kv, g, r1)-sized ops run: future and evicted entries are masked (their
+        probability is exactly 0) and evicted ones carry +inf accumulated attention, so candidates are simply
+        the prefix before the window."""
         b, hk, t, s = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
         if s != t:
             raise ValueError(f"H2O sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
@@ -112,15 +129,15 @@ class H2O(KVMethod):
 
         def evict(seen: int, row: int, scores=None, i: int = 0) -> int:
             """Evicts after the step at which `seen` tokens exist; masks the evicted entries in the remaining rows
-            of the chunk's `scores` (b, hk, g, r, r1) (later chunks mask them from acc)."""
+            of the chunk's `scores` (b, r, hk, g, r1) (later chunks mask them from acc)."""
             start, n = self.plan(seen, held)
             if n:
                 drop = self.drop_index(acc[..., :start], n)  # (b, hk, n), all < start
                 acc.scatter_(-1, drop, float("inf"))
                 evictions.append((row, drop))
-                if scores is not None and i + 1 < scores.shape[3]:
-                    rest = scores[:, :, :, i + 1 :]  # (b, hk, g, r - i - 1, r1)
-                    rest.scatter_(-1, drop[:, :, None, None].expand(*rest.shape[:-1], n), masked)
+                if scores is not None and i + 1 < scores.shape[1]:
+                    rest = scores[:, i + 1 :]  # (b, r - i - 1, hk, g, r1)
+                    rest.scatter_(-1, drop[:, None, :, None].expand(*rest.shape[:-1], n), masked)
             return held - n
 
         # the dense prefill: accumulate its rows chunk by chunk, then one bulk eviction (as after_prefill does)
@@ -131,18 +148,21 @@ class H2O(KVMethod):
         if n_dense:
             held = n_dense
             held = evict(n_dense, n_dense - 1)
-        with one_thread() if q.device.type == "cpu" else nullcontext():
-            for r0, r1 in row_chunks(t - n_dense):
-                r0, r1 = r0 + n_dense, r1 + n_dense
-                scores = logits(q[:, :, r0:r1], k[:, :, :r1], scale)  # (b, hk, g, r, r1)
-                # entries evicted before this chunk: masked for all of its rows at once
-                scores.masked_fill_(acc[:, :, None, None, :r1].isinf(), masked)
+        reduce = REDUCE[self.gqa_reduce]
+        qs = q * scale  # scaled once: the row loop's logits need no pass over (heads x rows x t)
+        for r0, r1 in row_chunks(t - n_dense):
+            r0, r1 = r0 + n_dense, r1 + n_dense
+            scores = row_blocks(qs[:, :, r0:r1], k[:, :, :r1])  # (b, r, hk, g, r1)
+            # each row's future and the entries evicted before this chunk: masked for all rows at once
+            future = torch.arange(r1, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
+            scores.masked_fill_(future[None, :, None, None] | acc[:, None, :, None, :r1].isinf(), masked)
+            seen_acc = acc[..., :r1]  # a view: `acc[..., :r1] += x` would also copy it back through __setitem__
+            with one_thread() if q.device.type == "cpu" else nullcontext():
                 for i, row in enumerate(range(r0, r1)):
-                    seen = row + 1
                     held += 1
-                    probs = torch.softmax(scores[:, :, :, i, :seen], dim=-1, dtype=torch.float32)  # (b, hk, g, seen)
-                    acc[..., :seen] += self.reduce(probs)
-                    held = evict(seen, row, scores, i)
+                    probs = torch.softmax(scores[:, i], dim=-1, dtype=torch.float32)  # (b, hk, g, r1)
+                    seen_acc.add_(reduce(probs))  # + exactly 0 for the masked entries
+                    held = evict(row + 1, row, scores, i)
         if evictions:
             rows = torch.cat([torch.full_like(drop, row) for row, drop in evictions], dim=-1)
             last_row.scatter_(-1, torch.cat([drop for _, drop in evictions], dim=-1), rows)

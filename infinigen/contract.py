@@ -80,7 +80,8 @@ def attend_fused(
     if keep is not None:
         # 0 where kept, the dtype's finite minimum elsewhere (as eager's masked_fill): a row with nothing to
         # attend is then uniform over every entry, as in eager, instead of NaN
-        bias = keep.to(q.dtype).sub_(1).mul_(-torch.finfo(q.dtype).min)
+        zero, low = (torch.tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, torch.finfo(q.dtype).min))
+        bias = torch.where(keep, zero, low)  # one pass
         fold = keep.shape[1] > 1 and g > 1
     if fold:  # (b*hk, g, t, d) queries against (b*hk, 1, s, d): the mask broadcasts over the g heads
         q, k, v = q.reshape(b * hk, g, t, d), k.reshape(b * hk, 1, s, d), v.reshape(b * hk, 1, s, d)

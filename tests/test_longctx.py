@@ -50,9 +50,14 @@ def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
     for kernel in adapter.ATTENTION_KERNELS:
         method = method_from_conf(method_name, **overrides)
         logp = modes.sim_logits(model, method, ids, dense_rows=dense_rows, attention=kernel)
-        out[kernel] = (logp.double().log_softmax(-1), method.stats.summary().get("kv_fraction"))
+        summary = method.stats.summary()
+        out[kernel] = (logp.double().log_softmax(-1), summary.get("kv_fraction"), summary.get("recall"))
     torch.testing.assert_close(out["fused"][0], out["exact"][0], atol=LOGPROB_TOL, rtol=0)
     assert out["fused"][1] == pytest.approx(out["exact"][1], abs=1e-12)  # the same keep decisions
+    # recall: eager masked softmax (exact) vs the fused kernel's / the selection's log-sum-exp
+    assert (out["fused"][2] is None) == (out["exact"][2] is None)
+    if out["exact"][2] is not None:
+        assert out["fused"][2] == pytest.approx(out["exact"][2], abs=1e-5)
 
 
 @pytest.mark.parametrize("method_name", ["full", "h2o", "streaming"])
