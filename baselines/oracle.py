@@ -1,7 +1,6 @@
 """Oracle top-k: the best any token selection can do at a given budget."""
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from infinigen.infinigen_method.selective_attention import SelectiveAttention
 
@@ -16,8 +15,6 @@ class Oracle(SelectiveAttention):
     """
 
     alpha: float = float("inf")
-
-    scores_are_logits: ClassVar[bool] = True
 
     def score_queries(self, session, layer, q):
         b, h, t, d = q.shape

@@ -147,12 +147,12 @@ def test_select_respects_the_cap_and_the_candidates():
     rows = torch.arange(r)
     candidates = (torch.arange(L)[None, :] < rows[:, None])[None, None]  # strictly causal
     for alpha, budget in [(0.5, 0.1), (2.0, 0.3), (math.inf, 0.5), (math.inf, 1.0)]:
-        keep, n, _ = select(scores.clone(), candidates, rows, alpha, budget, "prob_sum")
+        keep, n = select(scores, candidates, rows, alpha, budget, "prob_sum")
         cap = budget_cap(budget, rows)
         assert (n <= cap[None]).all()
         assert (keep.sum(-1) == n[:, None]).all()  # every KV head fetches exactly n
         assert not (keep & ~candidates).any()
-    keep, n, _ = select(scores, candidates, rows, math.inf, 1.0, "prob_sum")
+    keep, n = select(scores, candidates, rows, math.inf, 1.0, "prob_sum")
     assert torch.equal(keep, candidates.expand_as(keep))
 
 
@@ -172,7 +172,7 @@ def test_top_n_keeps_exactly_n_even_on_ties():
 def test_dynamic_count_follows_alpha():
     # one head, one row: scores 10, 9, 7, 2 -> within alpha=2.5 of the max: two tokens
     scores = torch.tensor([10.0, 9.0, 7.0, 2.0]).view(1, 1, 1, 1, 4)
-    keep, n, _ = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, 1.0, "logit_max")
+    keep, n = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, 1.0, "logit_max")
     assert n.item() == 2 and keep[0, 0, 0].tolist() == [True, True, False, False]
 
 

@@ -54,7 +54,7 @@ def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
         out[kernel] = (logp.double().log_softmax(-1), summary.get("kv_fraction"), summary.get("recall"))
     torch.testing.assert_close(out["fused"][0], out["exact"][0], atol=LOGPROB_TOL, rtol=0)
     assert out["fused"][1] == pytest.approx(out["exact"][1], abs=1e-12)  # the same keep decisions
-    # recall: eager masked softmax (exact) vs the fused kernel's / the selection's log-sum-exp
+    # recall: eager masked softmax (exact) vs the fused kernel's log-sum-exp
     assert (out["fused"][2] is None) == (out["exact"][2] is None)
     if out["exact"][2] is not None:
         assert out["fused"][2] == pytest.approx(out["exact"][2], abs=1e-5)

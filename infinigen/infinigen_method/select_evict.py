@@ -34,10 +34,8 @@ def select(
     budget: float,
     gqa_reduce: str,
     max_num_kv: int | None = None,
-    with_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r), and if `with_lse` each
-    query head's log-sum-exp of its candidates' scores, lse (b, hk, g, r) (else None).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r).
 
     scores (b, hk, g, r, L) speculated (or true) logits, consumed (overwritten) here; candidates
     (b|1, hk|1, r, L) bool; past (r,) the sequence length before each row (the budget is a fraction of it).
@@ -62,7 +60,6 @@ def select(
         count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries (MIN) never count
         n = torch.floor(count.double().mean(dim=(1, 2)) + 1e-9).long()
     n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
-    lse = torch.logsumexp(masked, dim=-1) if with_lse else None  # (b, hk, g, r)
     if gqa_reduce == "prob_sum":
         agg = torch.softmax(masked, dim=-1).sum(2)
     elif gqa_reduce == "logit_max":
@@ -73,7 +70,7 @@ def select(
         raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {gqa_reduce!r}")
     agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
     # n never exceeds a head's candidates, which all outrank the -inf of the others: the top n are candidates
-    return top_n(agg, n), n, lse
+    return top_n(agg, n), n
 
 
 def complete_columns(candidates: torch.Tensor) -> int:

@@ -30,9 +30,6 @@ class SelectiveAttention(GatheringMethod):
     track_recall: bool = True
 
     size_params: ClassVar[tuple[str, ...]] = ("alpha", "budget", "max_num_kv")
-    # whether score_queries . score_keys are the true attention logits (the oracle): then recall's denominator is
-    # the log-sum-exp of the selection's own scores instead of a second attention pass
-    scores_are_logits: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -99,8 +96,7 @@ class SelectiveAttention(GatheringMethod):
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
         # recall's denominator without a pool: each row's log-sum-exp over its whole causal prefix, one fused call
         causal_lse = None
-        if (self.track_recall and pool is None and session.plain_causal and session.attention == "fused"
-                and not self._lse_from_scores(session, pool)):
+        if self.track_recall and pool is None and session.plain_causal and session.attention == "fused":
             causal_lse = attend_fused(q, k, v, None, layer.logit_scale, causal=True)[1]  # (b, h, t) or None
         outs = []
         for r0, r1 in row_chunks(t):  # each chunk against the keys its rows can see (half the work)
@@ -116,8 +112,7 @@ class SelectiveAttention(GatheringMethod):
         candidates = allowed & ~diag
         scores = torch.matmul(qs[:, :, :, r0:r1], ks[:, :, None, :r1].transpose(-1, -2))  # (b, hk, g, r, s)
         if pool is None:
-            keep, n, candidate_lse = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce,
-                                            self.max_num_kv, with_lse=self._lse_from_scores(session, pool))
+            keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
             held = candidates
         else:
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
@@ -137,18 +132,10 @@ class SelectiveAttention(GatheringMethod):
                     held = (held | diag) & allowed
                     self._record_recall(layer, qc[:, :, first:], kc, held[:, :, first:], keep[:, :, first:])
                 else:  # kept mass / held mass = exp(lse_kept - lse_held), per query head and row
-                    if self._lse_from_scores(session, pool):  # the candidates' and the row's own logit
-                        own = (qs[:, :, :, r0:r1] * ks[:, :, None, r0:r1]).sum(-1)  # (b, hk, g, r)
-                        held_lse = torch.logaddexp(candidate_lse, own).flatten(1, 2)
-                    elif causal_lse is not None:
-                        held_lse = causal_lse[:, :, r0:r1]
-                    else:
-                        held_lse = attend_fused(qc, kc, vc, (held | diag) & allowed, layer.logit_scale)[1]
+                    held_lse = (causal_lse[:, :, r0:r1] if causal_lse is not None
+                                else attend_fused(qc, kc, vc, (held | diag) & allowed, layer.logit_scale)[1])
                     self.stats.add(layer.index, "recall", (lse - held_lse)[:, :, first:].exp())
         return out
-
-    def _lse_from_scores(self, session, pool) -> bool:
-        return self.scores_are_logits and self.track_recall and pool is None and session.attention == "fused"
 
     def _sim_pool_state(self, session, b, hk, s, limit, dev) -> dict:
         positions = torch.arange(s, device=dev).expand(b, hk, s)
@@ -172,7 +159,7 @@ class SelectiveAttention(GatheringMethod):
             if row < session.dense_rows:
                 continue
             cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
-            ki, ni, _ = select(scores[:, :, :, i : i + 1], cand[:, :, None], rows[i : i + 1], self.alpha, self.budget,
+            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], rows[i : i + 1], self.alpha, self.budget,
                             self.gqa_reduce, self.max_num_kv)
             keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
             pool["counts"][..., :s] += ki[:, :, 0]
@@ -207,7 +194,7 @@ class SelectiveAttention(GatheringMethod):
         scores = torch.matmul(qs, keys.unsqueeze(2).transpose(-1, -2))  # (b, hk, g, 1, past)
         dev = keys.device
         cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=dev)
-        keep, _, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,
+        keep, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,
                          self.max_num_kv)
         return keep[:, :, 0]  # (b, hk, past)
 
