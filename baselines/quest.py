@@ -94,6 +94,10 @@ class Quest(GatheringMethod):
         cap = int(budget_cap(self.budget, torch.tensor([max_len]))[0])
         return min(max_len, (math.ceil(cap / self.page_size) + 1) * self.page_size)
 
+    def selection_flops(self, layer, past):
+        """Pages, not tokens, are scored, each on its min and max (2 x head_dim channels)."""
+        return 2 * super().selection_flops(layer, past / self.page_size)
+
     def store_bytes(self, stores) -> int:
         meta = [page_metadata(s) for s in stores]
         tensors = [m[k] for m in meta for k in ("kmin", "kmax") if k in m] + [t for m in meta for t in m.get("open") or ()]

@@ -27,6 +27,7 @@ from infinigen.corpora import check_dataset, corpus_text
 
 # torch and the runtime are imported where used: `validate` must stay cheap to import
 PROMPTS = ("auto", "text", "random")
+TIMINGS = ("measured", "modelled")
 
 
 def positions_needed(task) -> tuple[str, int]:
@@ -49,10 +50,139 @@ def validate(task, data_dir) -> None:
         raise ValueError(f"task.prompt must be one of {PROMPTS}, got {task.get('prompt')!r}")
     if task.prompt == "text":
         check_dataset(task.dataset, data_dir)
+    if task.get("timing", "measured") not in TIMINGS:
+        raise ValueError(f"task.timing must be one of {TIMINGS}, got {task.get('timing')!r}")
+    fraction = task.get("fetch_fraction")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0 < fraction <= 1):
+        raise ValueError(f"task.fetch_fraction must be null (measured rows: task.fractions_from) or a fraction in "
+                         f"(0, 1], got {fraction!r}")
     from infinigen.offload.runtime import RUNTIMES  # the runtime owns the list (imports torch: checked last)
 
     if task.get("runtime") not in RUNTIMES:
         raise ValueError(f"task.runtime must be one of {RUNTIMES}, got {task.get('runtime')!r}")
+
+
+def needs_model(task) -> bool:
+    """A modelled run computes from the model's config and a hardware profile: no weights are loaded."""
+    return task.get("timing", "measured") != "modelled"
+
+
+def validate_config(cfg, method) -> None:
+    """What a modelled run needs besides the task: a valid hardware profile and, for a gathering method, the
+    fraction of the past each layer fetches (found now, before anything runs)."""
+    if needs_model(cfg.task):
+        return
+    from infinigen.offload import perf
+
+    perf.hardware(cfg.get("hardware"))
+    layer_fractions(cfg, method)
+
+
+def _method_key(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in ("name", "size_params", "calib_data_dir", "cache_dir")}
+
+
+def measured_fractions(store_dir: Path, model: str, method_name: str, params: dict) -> tuple[list[float], str]:
+    """Per-layer kv_fraction of the latest row of `method_name` with these hyperparameters on `model` in a
+    results store (sim rows of task=ppl or decode rows of task=latency), and where it came from."""
+    best = None
+    for path in sorted((store_dir / "rows").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            per_layer = ((row.get("metrics") or {}).get("stats") or {}).get("per_layer", {}).get("kv_fraction")
+            if (row.get("model") != model or row.get("method") != method_name or not per_layer
+                    or _method_key(row.get("method_params") or {}) != params
+                    or (row.get("metrics") or {}).get("timing") == "modelled"):
+                continue
+            key = (row.get("meta") or {}).get("finished", "")
+            if best is None or key > best[0]:
+                layers = [per_layer[k] for k in sorted(per_layer, key=int)]
+                best = (key, layers, f"{store_dir}:{row['config_hash']} ({row['task']}, {model})")
+    if best is None:
+        raise ValueError(
+            f"task.fractions_from={str(store_dir)!r}: no row of method {method_name} with these settings on "
+            f"{model} records per-layer kv_fraction; measure one (python run.py model={model} "
+            f"method={method_name} task=latency results_dir={store_dir}) or set task.fetch_fraction")
+    return best[1], best[2]
+
+
+def spread(source: list[float], dense: list[bool]) -> list[float]:
+    """Source per-layer fractions onto a model whose layers are `dense` (True: attends everything): the target's
+    selecting layers take the source's selecting layers (kv < 1) at the same relative depth."""
+    picks = [f for f in source if f < 1.0] or source
+    n = sum(not d for d in dense)
+    out, k = [], 0
+    for d in dense:
+        if d:
+            out.append(1.0)
+            continue
+        out.append(picks[round(k * (len(picks) - 1) / max(n - 1, 1))])
+        k += 1
+    return out
+
+
+def layer_fractions(cfg, method) -> tuple[list[float] | None, str | None]:
+    """Per layer of cfg.model, the fraction of the past a gathering layer fetches, and its source."""
+    from infinigen.offload import perf
+    from infinigen.offload.runtime import layer_kind
+
+    shape = perf.Shape.of(cfg.model)
+    kinds = [layer_kind(method, shape.layer(i), cfg.task.runtime) for i in range(shape.layers)]
+    if "gather" not in kinds:
+        return None, None
+    if cfg.task.get("fetch_fraction") is not None:
+        f = float(cfg.task.fetch_fraction)
+        return [f if k == "gather" else 1.0 for k in kinds], f"given: task.fetch_fraction={f}"
+    from experiments.runner import method_name, method_params
+
+    store_dir = Path(cfg.task.get("fractions_from") or "docs/store")
+    store_dir = store_dir if store_dir.is_absolute() else ROOT / store_dir
+    params = _method_key(method_params(cfg, method))
+    source, where = measured_fractions(store_dir, cfg.task.get("fractions_model") or cfg.model.name,
+                                       method_name(cfg), params)
+    return spread(source, [k != "gather" for k in kinds]), where
+
+
+def run_modelled(cfg, method, fractions: list[float] | None = None, source: str | None = None) -> dict:
+    """The latency task's metrics from the performance model (infinigen/offload/perf.py): no weights, no clock.
+    `fractions` (per layer kv_fraction) replaces the task's source (validation passes a measured run's own)."""
+    from infinigen.offload import census, perf
+    from infinigen.offload.runtime import layer_kind, run_kind
+
+    task = cfg.task
+    hw = perf.hardware(cfg.get("hardware"))
+    shape = perf.Shape.of(cfg.model)
+    kinds = [layer_kind(method, shape.layer(i), task.runtime) for i in range(shape.layers)]
+    if fractions is None:
+        fractions, source = layer_fractions(cfg, method)
+    ops = census.census(cfg.model, method, task.runtime, task.batch_size, kinds)
+    steps = perf.modelled_steps(hw, cfg.model, method, task.runtime, task.batch_size, task.prompt_len, task.gen_len,
+                                fractions)
+    max_len = task.prompt_len + task.gen_len
+    plan = perf.plan(method, shape, task.runtime, max_len)
+    mem = perf.memory(shape, plan, method, task.batch_size, max_len)
+    over = mem["device_bytes"] / 2**30 - hw.device_memory_gib
+    seen = [task.prompt_len + s + 1 for s in range(task.gen_len)]
+    kv = None if fractions is None else sum(
+        sum((perf.selected_counts(fractions, plan, n)[i] + 1) / n if k == "gather" else 1.0
+            for i, k in enumerate(kinds)) / len(kinds) for n in seen) / len(seen)
+    return {
+        "batch_size": task.batch_size, "prompt_len": task.prompt_len, "gen_len": task.gen_len,
+        "timing": "modelled", "hardware": hw.name, "hardware_profile": dict(cfg.hardware),
+        "runtime": run_kind(method, task.runtime), "dtype": shape.dtype,
+        **perf.summarize(steps, task.warmup, task.batch_size),
+        "prefill_s": perf.prefill_seconds(hw, shape, plan, task.batch_size, task.prompt_len),
+        "d2h_bytes_total": sum(plan.row_bytes[i] * task.batch_size * shape.kv_heads * max_len
+                               for i in range(shape.layers)),
+        "host_pool_bytes": mem["host_pool_bytes"], "device_bytes": mem["device_bytes"],
+        "fits": over <= 0, "over_gib": max(over, 0.0), "ops_per_step": sum(sum(o.values()) for o in ops),
+        "fractions_source": source, "kv_fraction": kv if kv is not None else 1.0,
+        "layer_fetch_fraction": fractions,
+    }
 
 
 def prompt_ids(tokenizer, vocab_size: int, task, data_dir) -> tuple[torch.Tensor, str]:

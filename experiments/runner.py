@@ -188,6 +188,8 @@ def validate(cfg: DictConfig):
     if method.needs_prompt and no_prompt and not cfg.task.get("dense_rows"):
         raise ValueError(f"{type(method).__name__} compresses a prompt: task.dense_rows=0 leaves none (set "
                          "task.dense_rows to the prompt length, or task.protocol=serving for lm_eval)")
+    if hasattr(module, "validate_config"):  # what the task needs of the rest of the config (e.g. hardware)
+        module.validate_config(cfg, method)
     from infinigen import adapter
 
     adapter.resolve_device(cfg.get("device"))
@@ -236,10 +238,14 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    device = adapter.resolve_device(cfg.get("device"))
-    model, tokenizer = adapter.load(cfg.model, device=device)
-    load_s = time.perf_counter() - t0
-    results = module.run(model, tokenizer, method, cfg.task, cfg.data_dir, device=device)
+    if getattr(module, "needs_model", lambda task: True)(cfg.task):
+        device = adapter.resolve_device(cfg.get("device"))
+        model, tokenizer = adapter.load(cfg.model, device=device)
+        load_s = time.perf_counter() - t0
+        results = module.run(model, tokenizer, method, cfg.task, cfg.data_dir, device=device)
+    else:  # modelled: computed from the configs alone
+        device, load_s = f"modelled:{cfg.hardware.name}", 0.0
+        results = module.run_modelled(cfg, method)
     results = results if isinstance(results, list) else [results]
     check_finite(results, cfg.task.name)
     meta = {
@@ -254,22 +260,7 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
         "host": platform.node(),
         "random_init": bool(cfg.model.get("random_init")),
     }
-    config = OmegaConf.to_container(cfg, resolve=True)
-    rows = [
-        {
-            "config_hash": digest,
-            "model": cfg.model.name,
-            "method": method_name(cfg),
-            "task": cfg.task.name,
-            "method_params": method_params(cfg, method),
-            "task_params": config["task"],
-            "data": data_identity(cfg),
-            "metrics": metrics,
-            "meta": meta,
-            "config": config,
-        }
-        for metrics in results
-    ]
+    rows = make_rows(cfg, method, digest, results, meta)
     # unique per run, not per second: a forced re-run started in the same microsecond has another pid
     run_dir = Path(cfg.results_dir) / "runs" / f"{digest}__{started.strftime('%Y%m%dT%H%M%S%fZ')}-{os.getpid()}"
     try:
@@ -301,3 +292,23 @@ def _log(backend: str, cfg: DictConfig, rows: list[dict]) -> None:
         for row in rows:
             run.log({k: v for k, v in row["metrics"].items() if isinstance(v, (int, float))})
         run.finish()
+
+
+def make_rows(cfg: DictConfig, method, digest: str, results: list[dict], meta: dict) -> list[dict]:
+    """The store rows of one run: one per task result, each with the whole config."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    return [
+        {
+            "config_hash": digest,
+            "model": cfg.model.name,
+            "method": method_name(cfg),
+            "task": cfg.task.name,
+            "method_params": method_params(cfg, method),
+            "task_params": config["task"],
+            "data": data_identity(cfg),
+            "metrics": metrics,
+            "meta": meta,
+            "config": config,
+        }
+        for metrics in results
+    ]

@@ -207,6 +207,10 @@ class AttentionLayer:
         return self.module.v_proj
 
     @property
+    def hidden_size(self) -> int:
+        return self.q_proj.in_features
+
+    @property
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 

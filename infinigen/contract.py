@@ -377,6 +377,16 @@ class GatheringMethod(KVMethod):
         """Most past entries one row and KV head selects in a sequence of max_len tokens (sizes landing buffers)."""
         return max_len
 
+    def score_channels(self, layer: AttentionLayer) -> float:
+        """Channels of the per-entry vector `select` ranks one past entry of one KV head by (its keys: head_dim)."""
+        return layer.head_dim
+
+    def selection_flops(self, layer: AttentionLayer, past: int) -> float:
+        """FLOPs one batch row's `select` spends ranking `past` entries, for the performance model
+        (infinigen/offload/perf.py; the bytes it moves are counted by running it): each query head dotted with
+        `past` stored vectors of `score_channels` elements."""
+        return 2.0 * layer.num_heads * past * self.score_channels(layer)
+
     def decode_attention(self, session, layer, q, store):
         if self.offload_kind(layer) != "gather":
             return super().decode_attention(session, layer, q, store)

@@ -132,6 +132,18 @@ class InfiniGen(SelectiveAttention):
     def score_keys(self, layer, k):
         return self.skewing.compact(k, layer.index)  # (b, h_kv, s, r): the partial key cache
 
+    def score_channels(self, layer) -> float:
+        """The partial key cache's columns (calibrated; before calibration, partial_ratio of head_dim)."""
+        if self.skewing is not None:
+            return int(self.skewing.columns[layer.index].sum(-1).max())
+        return max(1, round(self.partial_ratio * layer.head_dim))
+
+    def selection_flops(self, layer, past):
+        """Scoring the partial key cache, plus the speculated query itself: layer i's query weight applied to
+        the speculation input and each query head's skew rotation (d x d)."""
+        q_weight = layer.hidden_size * layer.num_heads * layer.head_dim
+        return super().selection_flops(layer, past) + 2.0 * (q_weight + layer.num_heads * layer.head_dim ** 2)
+
     def partial_columns(self) -> list[int]:
         """Columns kept per KV head, per layer (for byte accounting)."""
         return [int(c.sum(-1).max()) for c in self.skewing.columns]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 
 import torch
@@ -85,11 +84,11 @@ class HostPool:
         link = self.link
 
         def job() -> Fetched:
-            t0 = time.perf_counter()
+            t0 = link.clock()
             src = self.data[: self.hwm if n is None else n]
             nbytes = src.numel() * src.element_size()
             if slot is None:
-                return Fetched(src, None, nbytes, time.perf_counter() - t0)
+                return Fetched(src, None, nbytes, link.clock() - t0)
             start, end = link.event(timing=True), link.event(timing=True)
             with link.side():
                 link.side_wait(slot.free)
@@ -97,7 +96,7 @@ class HostPool:
                 dst = slot.dev[: src.numel()].view(src.shape)
                 dst.copy_(src, non_blocking=link.cuda)
                 end.record(link.stream)
-            return Fetched(dst, None, nbytes, time.perf_counter() - t0, end, start, slot)
+            return Fetched(dst, None, nbytes, link.clock() - t0, end, start, slot)
 
         return job
 
@@ -106,13 +105,13 @@ class HostPool:
         written, link = self.written, self.link  # writes issued later touch rows this job never reads
 
         def job() -> Fetched:
-            t0 = time.perf_counter()
+            t0 = link.clock()
             if written is not None:
                 written.synchronize()
             m = src_idx.numel()
             nbytes = m * self.width * self.flat.element_size()
             if slot is None:
-                return Fetched(self.flat.index_select(0, src_idx), dest, nbytes, time.perf_counter() - t0)
+                return Fetched(self.flat.index_select(0, src_idx), dest, nbytes, link.clock() - t0)
             slot.copied.synchronize()  # the landing buffer's previous copy has left it
             host = slot.host[: m * self.width].view(m, self.width)
             torch.index_select(self.flat, 0, src_idx, out=host)
@@ -130,7 +129,7 @@ class HostPool:
                     d.copy_(slot.host_dest[:m], non_blocking=link.cuda)
                 end.record(link.stream)
                 slot.copied.record(link.stream)
-            return Fetched(dst, d, nbytes, time.perf_counter() - t0, end, start, slot)
+            return Fetched(dst, d, nbytes, link.clock() - t0, end, start, slot)
 
         return job
 

@@ -136,6 +136,7 @@ class Report:
             "measured_steps": len(rows),
             "prefill_s": self.prefill_s,
             "decode_ms_median": statistics.median(steps),
+            "decode_ms_steps": steps,
             "decode_ms_p90": q[8],
             "decode_ms_mean": statistics.fmean(steps),
             "tokens_per_s": self.batch * 1e3 / statistics.fmean(steps),
@@ -169,12 +170,12 @@ class OffloadRuntime:
     """Runs a KV method's decode with its KV where its declaration (and `runtime`) puts it."""
 
     def __init__(self, model, method, runtime: str = "auto", link_gbps: float = PCIE4_X16_GBPS,
-                 threaded: bool | None = None, copies: bool | None = None):
+                 threaded: bool | None = None, copies: bool | None = None, clock=time.perf_counter):
         if not link_gbps > 0:
             raise ValueError(f"link_gbps must be > 0 (GB/s), got {link_gbps}")
         self.kind = run_kind(method, runtime)
         self.model, self.method, self.runtime = model, method, runtime
-        self.link_gbps, self.threaded, self.copies = link_gbps, threaded, copies
+        self.link_gbps, self.threaded, self.copies, self.clock = link_gbps, threaded, copies, clock
         self.device = next(model.parameters()).device
         self.layers = adapter.attention_layers(model)
 
@@ -225,7 +226,7 @@ class OffloadRuntime:
         if teacher is not None and teacher.shape != (b, gen_len):
             raise ValueError(f"teacher must be (batch, gen_len) = {(b, gen_len)}, got {tuple(teacher.shape)}")
         max_len = P + gen_len
-        self.link = Link(self.device, self.threaded, self.copies)
+        self.link = Link(self.device, self.threaded, self.copies, self.clock)
         self.timer = Timer(self.link)
         self.h2d_bytes, self.fetch_log, self.last_step = [], [], False
         self._tally = {"attended": [], "fetched": []}

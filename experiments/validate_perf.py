@@ -1,0 +1,142 @@
+"""Validate the performance model on this machine: predicted vs measured decode ms/token of the latency task.
+
+    python -m experiments.calibrate                          # once: conf/hardware/local.yaml
+    python -m experiments.validate_perf --results docs/store # the table (and its rows in a store)
+
+For each batch size and prompt length the model (smollm2-135m) is loaded once; each method then runs through the
+offloading runtime (task=latency, timing=measured), `--rounds` times round-robin over the points: the median of the
+rounds' median decode step after `--warmup` steps, and the rounds' range. The same configuration is then modelled (infinigen/offload/perf.py) with the
+calibrated profile and, for gathering methods, the per-layer fractions the measured run fetched; the ratio
+predicted / measured is printed per point. Timings need a quiet machine: other processes on the cores change the
+measured side, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# row -> (conf/method, overrides): the issue's list
+POINTS = {
+    "full": ("full", {}),
+    "offload": ("offload", {}),
+    "quant4": ("quant", {"bits": 4}),
+    "h2o": ("h2o", {}),
+    "streaming": ("streaming", {}),
+    "infinigen-b0.05": ("infinigen", {"budget": 0.05}),
+    "infinigen-b0.2": ("infinigen", {"budget": 0.2}),
+    "oracle": ("oracle", {}),
+    "quest": ("quest", {}),
+}
+
+
+def compose(method: str, overrides: dict, task: dict, hardware: dict | None, data_dir: str | None):
+    from omegaconf import OmegaConf
+
+    conf = ROOT / "conf"
+    cfg = OmegaConf.create({
+        "model": OmegaConf.load(conf / "model" / "smollm2-135m.yaml"),
+        "method": OmegaConf.merge(OmegaConf.load(conf / "method" / f"{method}.yaml"), overrides),
+        "task": OmegaConf.merge(OmegaConf.load(conf / "task" / "latency.yaml"), task),
+        "logger": {"backends": []}, "data_dir": data_dir, "results_dir": "unused", "force": False, "seed": 0,
+        "device": "cpu",
+    })
+    if hardware is not None:
+        cfg.hardware = hardware
+    return cfg
+
+
+def per_layer(stats: dict) -> list[float]:
+    layers = stats["per_layer"]["kv_fraction"]
+    return [layers[k] for k in sorted(layers, key=int)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default=str(ROOT / "conf" / "hardware" / "local.yaml"))
+    p.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
+    p.add_argument("--prompts", nargs="+", type=int, default=[1024, 2048])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--gen", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="measured runs per point, round-robin over the points")
+    p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--results", default=None, help="also write each point's measured and modelled rows here")
+    args = p.parse_args(argv)
+    from experiments.calibrate import steady_allocator
+
+    steady_allocator()
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from analysis import store
+    from experiments import latency, runner
+    from infinigen import adapter
+
+    if not Path(args.profile).is_file():
+        sys.exit(f"error: --profile: {args.profile} does not exist; run `python -m experiments.calibrate` first")
+    hardware = OmegaConf.to_container(OmegaConf.load(args.profile))
+    data_dir = args.data_dir if Path(args.data_dir).is_dir() else None
+    print(f"# smollm2-135m (float32) on this CPU, {torch.get_num_threads()} threads; profile {args.profile}: "
+          + ", ".join(f"{k}={v}" for k, v in hardware.items() if k not in ("name", "machine")), flush=True)
+    print(f"{'point':<16} {'batch':>5} {'prompt':>6} {'measured':>9} {'rounds':>15} {'modelled':>9} {'ratio':>6}  "
+          f"modelled terms (ms): compute / speculation / host / exposed link", flush=True)
+    model, tokenizer = adapter.load(compose("full", {}, {}, None, data_dir).model, device="cpu")
+    ratios = []
+    for batch in args.batches:
+        for prompt in args.prompts:
+            task = {"batch_size": batch, "prompt_len": prompt, "gen_len": args.gen, "warmup": args.warmup}
+            runs: dict[str, list[dict]] = {name: [] for name in args.points}
+            for _ in range(args.rounds):  # round-robin: slow drifts of the machine reach every point alike
+                for name in args.points:
+                    method_cfg, overrides = POINTS[name]
+                    cfg = compose(method_cfg, overrides, task, None, data_dir)
+                    t0 = time.perf_counter()
+                    result = latency.run(model, tokenizer, instantiate(cfg.method), cfg.task, data_dir, device="cpu")
+                    runs[name].append({**result, "wall_s": time.perf_counter() - t0})
+            for name in args.points:
+                method_cfg, overrides = POINTS[name]
+                cfg = compose(method_cfg, overrides, task, None, data_dir)
+                medians = [r["decode_ms_median"] for r in runs[name]]
+                measured = dict(runs[name][0], decode_ms_median=statistics.median(medians), decode_ms_rounds=medians)
+                mcfg = compose(method_cfg, overrides, {**task, "timing": "modelled", "fetch_fraction": None},
+                               hardware, data_dir)
+                method = instantiate(mcfg.method)
+                fractions = per_layer(measured["stats"]) if "kv_fraction" in measured["stats"].get("per_layer", {}) \
+                    else None
+                modelled = latency.run_modelled(mcfg, method, fractions=fractions,
+                                                source=f"measured run of this point ({name})")
+                ratio = modelled["decode_ms_median"] / measured["decode_ms_median"]
+                ratios.append(ratio)
+                print(f"{name:<16} {batch:>5} {prompt:>6} {measured['decode_ms_median']:>9.1f} "
+                      f"{min(medians):>7.1f}..{max(medians):<7.1f} {modelled['decode_ms_median']:>9.1f} {ratio:>6.2f}  "
+                      f"{modelled['compute_ms']:.1f} / {modelled['speculation_ms']:.1f} / {modelled['host_ms']:.1f} / "
+                      f"{modelled['exposed_transfer_ms']:.1f}", flush=True)
+                if args.results:
+                    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": "cpu",
+                            "threads": torch.get_num_threads(), "wall_s": sum(r["wall_s"] for r in runs[name]),
+                            "host": platform.node(), "finished": datetime.now(timezone.utc).isoformat(),
+                            "random_init": False}
+                    measured.update(validation_point=name)
+                    modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"],
+                                    ratio=ratio)
+                    for c, metrics in ((cfg, measured), (mcfg, modelled)):
+                        digest = runner.config_hash(c)
+                        rows = runner.make_rows(c, method, digest, [metrics], meta)
+                        for row in rows:
+                            row["method"] = row["method_params"]["name"] = method_cfg
+                        store.append_rows(args.results, digest, rows)
+    worst = max(abs(r - 1) for r in ratios)
+    print(f"# {len(ratios)} points; worst |predicted / measured - 1| = {worst:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

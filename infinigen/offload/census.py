@@ -1,0 +1,195 @@
+"""Kernel census: what the offloading runtime's own code does per layer, segment and decode step for a method,
+counted by running it on a small stand-in of the model (same family, heads and KV heads, layer count up to the
+method's steady state; tiny head_dim, FFN and vocabulary, random weights):
+
+  ops      torch ops dispatched (a property of the code path, not of tensor sizes: the stand-in's are the model's)
+  stream   bytes read and written by ops that are not views, per token of context and KV head width unit: the
+           census runs at two context lengths and two head_dims, and the part that grows with the context is
+           extrapolated (attention over what is attended, the method's per-entry state, its selection, copies)
+  indexed  the same for indexed ops (gather, index_select, scatter, ...): random access, priced at a gather rate
+  seconds  for a profile of this machine (dispatch: stand_in): each segment's time here on the stand-in, where
+           the arithmetic is negligible: what dispatching this method's ops costs (CPU op costs differ by op)
+
+The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
+bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
+model structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
+CENSUS_PROMPT, CENSUS_STEPS = 64, 5
+CACHE = Path(".cache/infinigen/census")
+
+
+INDEXED = {"gather", "index_select", "index", "index_put", "index_put_", "scatter", "scatter_", "scatter_add",
+           "scatter_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "masked_select", "take"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched while active, and the bytes the non-view ones read and write."""
+
+    def __init__(self, measure: str = "ops"):
+        super().__init__()
+        self.measure = measure
+        self.value = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.measure == "ops":
+            self.value += 1
+        elif not func.is_view and (func.overloadpacket.__name__ in INDEXED) == (self.measure == "indexed"):
+            tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+            self.value += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def stand_in_arch(arch: dict, layers: int, head_dim: int = 16) -> dict:
+    """The model's structure at toy width: same family, heads, KV heads and layer pattern."""
+    heads = int(arch["num_attention_heads"])
+    out = {"model_type": arch["model_type"], "num_hidden_layers": layers, "num_attention_heads": heads,
+           "vocab_size": 128, "max_position_embeddings": 256}
+    if arch["model_type"] == "opt":
+        out.update(hidden_size=heads * head_dim, ffn_dim=32, word_embed_proj_dim=heads * head_dim)
+    else:
+        out.update(hidden_size=heads * head_dim, intermediate_size=32, head_dim=head_dim,
+                   num_key_value_heads=int(arch.get("num_key_value_heads") or heads),
+                   rope_theta=float(arch.get("rope_theta", 10000.0)))
+    return out
+
+
+def _segments(marks: list, fetches: dict, layers: int) -> list[dict]:
+    """One step's marks -> per layer {segment: ops}; the ops before layer 0 and after the last layer's MLP (the
+    embedding, the final norm, the head) are layer -1's "norms"."""
+    per = [dict.fromkeys(SEGMENTS, 0.0) for _ in range(layers + 1)]  # index -1: the step's own ops
+    owner, last, layer = ("norms", -1), None, -1
+    stack = []
+    for name, key, t in marks:
+        if last is not None:
+            seg, i = owner
+            per[i][seg] += t - last
+        last = t
+        if name == "attn0":
+            layer, owner = key, ("attention", key)
+        elif name == "attn1":
+            owner = ("norms", key)
+        elif name == "ffn0":
+            owner = ("ffn", key)
+        elif name == "ffn1":
+            owner = ("norms", key if key < layers - 1 else -1)
+        elif name in ("spec0", "wait0"):
+            stack.append(owner)
+            owner = ("speculation", key) if name == "spec0" else ("host", layer)
+        elif name in ("spec1", "wait1"):
+            owner = stack.pop()
+        elif name == "need":
+            per[layer]["host"] += fetches[key]["host_s"]
+    return per
+
+
+def _steady(kinds: list[str]) -> tuple[int, int]:
+    steady = next((i for i, k in enumerate(kinds) if k == kinds[-1]), 0)
+    return steady, min(len(kinds), steady + 3)
+
+
+def _spread(small: list[dict], kinds: list[str]) -> list[dict]:
+    """Stand-in layers -> the real model's: layer j takes the stand-in layer with its role (dense prefix, first
+    steady, middle, last); the step's own entry stays last."""
+    steady, n = _steady(kinds)
+    real = []
+    for j in range(len(kinds)):
+        if j < steady + 1:
+            real.append(small[j])
+        elif j == len(kinds) - 1:
+            real.append(small[n - 1])
+        else:
+            real.append(small[min(steady + 1, n - 2)] if n >= 3 else small[n - 1])
+    return real + [small[-1]]
+
+
+def _cached(ident: list, compute) -> list[dict]:
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = CACHE / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+    return value
+
+
+def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops") -> list[dict]:
+    """Per decode step, for each of the real model's layers {segment: value}, plus the step's own last.
+    measure: "ops" (dispatched ops, at the run's batch up to 2), "seconds" (what the runtime's code takes per
+    segment on this machine at zero width: dispatch and Python), "stream" / "indexed" (bytes per (batch row,
+    context token), at the real head_dim: see the module doc)."""
+    steady, n = _steady(kinds)
+    ident = [type(method).__name__, _params(method), runtime, stand_in_arch(dict(model_cfg.arch), n), measure,
+             torch.__version__]
+    d = int(dict(model_cfg.arch).get("head_dim") or model_cfg.arch.hidden_size // model_cfg.arch.num_attention_heads)
+    if measure == "ops":
+        return _spread(_cached(ident + [min(batch, 2)], lambda: _count(model_cfg, method, runtime, min(batch, 2), n,
+                                                                       measure)), kinds)
+    if measure == "seconds":  # this machine's time per segment at zero width: dispatch and the code's Python
+        ident += [min(batch, 2), platform.node(), torch.get_num_threads()]
+        return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, min(batch, 2), n, measure)), kinds)
+
+    def slopes():
+        at = {(p, w): _count(model_cfg, method, runtime, 1, n, measure, prompt=p, head_dim=w)
+              for p in (CENSUS_PROMPT, 2 * CENSUS_PROMPT) for w in (8, 16)}
+        out = []
+        for i in range(n + 1):
+            row = {}
+            for seg in SEGMENTS:
+                per = {w: (at[(2 * CENSUS_PROMPT, w)][i][seg] - at[(CENSUS_PROMPT, w)][i][seg]) / CENSUS_PROMPT
+                       for w in (8, 16)}
+                row[seg] = max(0.0, per[8] + (per[16] - per[8]) / 8 * (d - 8))
+            out.append(row)
+        return out
+
+    return _spread(_cached(ident + [d], slopes), kinds)
+
+
+def _params(method) -> dict:
+    return {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init and f.name not in
+            ("calib_data_dir", "cache_dir")}
+
+
+def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
+           head_dim: int = 16) -> list[dict]:
+    import time
+
+    from omegaconf import OmegaConf
+
+    from infinigen import adapter
+    from infinigen.offload.runtime import OffloadRuntime
+
+    cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
+                            "seed": 0, "arch": stand_in_arch(dict(model_cfg.arch), layers, head_dim)})
+    model, _ = adapter.load(cfg, device="cpu")
+    method = dataclasses.replace(method)  # a fresh instance: binding calibrates it on the stand-in
+    ids = torch.randint(0, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    if measure == "seconds":
+        rt = OffloadRuntime(model, method, runtime=runtime, clock=time.perf_counter)
+        rt.generate(ids, CENSUS_STEPS)  # warm-up
+        steps = []
+        for _ in range(3):
+            rt.generate(ids, CENSUS_STEPS)
+            steps += [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]
+    else:
+        counter = OpCounter(measure)
+        rt = OffloadRuntime(model, method, runtime=runtime, clock=lambda: counter.value)
+        with counter:
+            rt.generate(ids, CENSUS_STEPS)
+        steps = [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]  # steady steps
+    return [{seg: statistics.median(s[i][seg] for s in steps) for seg in SEGMENTS} for i in range(layers + 1)]

@@ -1,0 +1,124 @@
+"""The decode performance model (infinigen/offload/perf.py): its bytes are the runtime's, its structure replays the
+runtime's overlap, it needs no weights, and bad profiles are refused by name."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import METHODS, ROOT, load_model, method_from_conf, random_ids
+from infinigen.offload import perf
+from infinigen.offload.runtime import OffloadRuntime, layer_kind
+
+PROMPT, DECODED = 24, 6
+
+
+def model_cfg(name: str):
+    return OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+
+
+def profile(name: str = "a6000_pcie3", **overrides):
+    return OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "hardware" / f"{name}.yaml"), overrides)
+
+
+def byte_cases():
+    """Every method as it declares itself on the GQA llama; the resident ones offloaded too; OPT once per kind."""
+    for method in METHODS:
+        yield pytest.param(method, "auto", "tiny-llama-gqa", id=f"{method}-auto")
+        if OmegaConf.load(ROOT / "conf" / "method" / f"{method}.yaml")._target_.endswith(("Full", "KIVI")):
+            yield pytest.param(method, "offload", "tiny-llama-gqa", id=f"{method}-offload")
+    for method in ("offload", "h2o", "infinigen"):
+        yield pytest.param(method, "auto", "tiny-opt", id=f"{method}-auto-opt")
+
+
+@pytest.mark.parametrize("method,runtime,model_name", list(byte_cases()))
+def test_modelled_bytes_are_the_runtimes(method, runtime, model_name):
+    """Per step and layer, the model's host->device bytes equal the runtime's counters (gathering layers: given
+    the rows the run selected, which the model takes as its input)."""
+    model, _ = load_model(model_name)
+    m = method_from_conf(method)
+    cfg = model_cfg(model_name)
+    batch = 2
+    report = OffloadRuntime(model, m, runtime=runtime).generate(random_ids(PROMPT, cfg.arch.vocab_size, batch),
+                                                                DECODED)
+    shape = perf.Shape.of(cfg)
+    fresh = method_from_conf(method)
+    plan = perf.plan(fresh, shape, runtime, PROMPT + DECODED)
+    assert plan.kinds == [layer_kind(m, layer, runtime) for layer in OffloadRuntime(model, m, runtime).layers]
+    logged = {(step, layer): (nbytes, rows) for step, layer, nbytes, rows in report.fetch_log}
+    for step in range(DECODED):
+        past = PROMPT + step
+        selected = [logged.get((step, i), (0, 0))[1] / (batch * shape.kv_heads) if k == "gather" else 0.0
+                    for i, k in enumerate(plan.kinds)]
+        modelled = perf.step_bytes(fresh, shape, plan, batch, past, PROMPT, selected)
+        measured = [logged.get((step, i), (0, None))[0] for i in range(shape.layers)]
+        assert modelled == pytest.approx(measured, abs=0), f"step {step}"
+    assert sum(report.h2d_bytes) == sum(b for (b, _) in logged.values())
+
+
+def test_opt_13b_point_from_its_config_alone():
+    """An OPT-13B point is computed without weights (the census runs a 16-wide stand-in once, then is cached)."""
+    cfg = model_cfg("opt-13b")
+    hw = perf.hardware(profile())
+    method = method_from_conf("offload")
+    perf.modelled_steps(hw, cfg, method, "auto", 20, 1920, 4, None)  # census, cached
+    t0 = time.perf_counter()
+    steps = perf.modelled_steps(hw, cfg, method, "auto", 20, 1920, 128, None)
+    assert time.perf_counter() - t0 < 1.0
+    # full offload of OPT-13B at batch 20: every step moves the whole fp16 KV over PCIe 3
+    kv = 2 * 40 * 20 * 5120 * 2  # bytes per token: K and V, 40 layers, batch 20, hidden 5120, fp16
+    assert steps[0]["h2d_bytes"] == 1920 * kv
+    assert steps[0]["step_s"] >= steps[0]["h2d_bytes"] / 12e9  # at least the link time
+
+
+def test_prefetch_hides_a_fetch_behind_the_previous_layer():
+    """A gather speculated at attention_start overlaps the previous layer; the same gather at `query` does not."""
+    cfg = model_cfg("opt-13b")
+    hw = perf.hardware(profile())
+    ahead = method_from_conf("infinigen", skew=False)
+    assert ahead.speculation_point == "attention_start"
+    sync = method_from_conf("infinigen", skew=False, speculate_from="current")
+    shape = perf.Shape.of(cfg)
+    kinds = ["resident"] + ["gather"] * (shape.layers - 1)
+    fractions = [1.0] + [0.1] * (shape.layers - 1)
+    zero = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
+    runs = {name: perf.decode_steps(m, cfg, hw, "auto", 8, 1920, 3, fractions, zero, zero, zero)[-1]
+            for name, m in (("ahead", ahead), ("sync", sync))}
+    assert kinds == perf.plan(ahead, shape, "auto", 1923).kinds
+    assert runs["ahead"]["h2d_bytes"] == runs["sync"]["h2d_bytes"]
+    assert runs["ahead"]["exposed_transfer_s"] < runs["sync"]["exposed_transfer_s"]
+    assert runs["ahead"]["step_s"] < runs["sync"]["step_s"]
+
+
+def test_host_is_device_adds_host_work_and_crosses_nothing():
+    cfg = model_cfg("smollm2-135m")
+    hw = perf.hardware(profile(h2d_gbps=None, d2h_gbps=None))
+    steps = perf.modelled_steps(hw, cfg, method_from_conf("offload"), "auto", 1, 256, 3, None)
+    assert steps[-1]["exposed_transfer_s"] == 0 and steps[-1]["transfer_s"] == 0
+
+
+@pytest.mark.parametrize("field,value", [("memory_gbps", 0), ("launch_us", -1), ("matmul_tflops", "fast"),
+                                         ("h2d_gbps", None), ("dispatch", "guess")])
+def test_bad_profiles_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"hardware.{field}|h2d_gbps and hardware.d2h_gbps"):
+        perf.hardware(profile(**{field: value}))
+    cfg = profile()
+    del cfg["host_gbps"]
+    with pytest.raises(ValueError, match="hardware.host_gbps is missing"):
+        perf.hardware(cfg)
+
+
+def test_modelled_run_needs_no_weights_and_refuses_bad_input_before_anything(tmp_path):
+    """run.py with timing=modelled writes a row for OPT-13B (no weights here); an unknown profile is refused."""
+    base = [sys.executable, "run.py", "model=opt-13b", "method=offload", "task=latency", "task.timing=modelled",
+            "task.batch_size=4", "task.prompt_len=512", "task.gen_len=4", f"results_dir={tmp_path}"]
+    done = subprocess.run(base + ["hardware=a6000_pcie3"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "decode_ms_median" in done.stdout
+    bad = subprocess.run(base + ["hardware=a6000_pcie3", "hardware.memory_gbps=0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=240)
+    assert bad.returncode != 0 and "hardware.memory_gbps must be a positive number" in bad.stderr
+    missing = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert missing.returncode != 0 and "hardware is not set" in missing.stderr
