@@ -3,12 +3,12 @@ PY        ?= .venv/bin/python
 DATA_DIR  ?= ../shared/data
 PYTEST_ARGS ?=
 SMOKE_RESULTS ?= results/smoke
-SMOKE ?= $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml))))
+SMOKE ?= $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml conf/experiment/*_modelled.yaml))))
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench sweep smoke figures tables clean
+.PHONY: help install run test test-fast bench sweep smoke figures tables calibrate validate-perf clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -38,10 +38,16 @@ bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-13
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)
 	$(PY) run.py -m +experiment=$(EXP) data_dir=$(DATA_DIR)
 
-smoke: install  ## the *_smoke presets (SMOKE=... for a subset) into results/smoke, figures into docs/smoke (CPU; re-run resumes)
+smoke: install  ## the *_smoke and *_modelled presets (SMOKE=... for a subset) into results/smoke, figures into docs/smoke (CPU; re-run resumes)
 	for exp in $(SMOKE); do \
 	  $(PY) run.py -m +experiment=$$exp data_dir=$(DATA_DIR) results_dir=$(SMOKE_RESULTS) || exit 1; done
 	$(PY) -m analysis.figures --results $(SMOKE_RESULTS) --out docs/smoke
+
+calibrate: install  ## measure this machine as a hardware profile (conf/hardware/local.yaml) for the performance model
+	$(PY) -m experiments.calibrate
+
+validate-perf: calibrate  ## the performance model's predicted vs measured decode ms/token here (quiet machine; ~20 min)
+	$(PY) -m experiments.validate_perf --data-dir $(DATA_DIR) $(VALIDATE_ARGS)
 
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures

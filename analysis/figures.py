@@ -390,6 +390,7 @@ def latency_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
     """Latency rows with a `decode_ms` column (the first of LATENCY_METRICS a row has; `decode_source` says
     which); y = "decode_ms", or None without any."""
     rows = of_task(df, "latency")
+    rows = rows[column(rows, "metrics.timing") != "modelled"]  # the performance model's rows: analysis/speed.py
     if rows.empty:
         return rows, None
     rows = rows.copy()
@@ -714,6 +715,15 @@ FIGURES: dict[str, Callable[[pd.DataFrame], tuple[Figure, pd.DataFrame]]] = {
     "table2_eviction": table2_eviction,
     "needle_heatmap": needle_heatmap,
 }
+
+
+def _speed_figures() -> dict:
+    from analysis import speed  # it imports this module's helpers
+
+    return {"fig14_16_modelled": speed.fig14_16_modelled, "speed_validation": speed.speed_validation}
+
+
+FIGURES.update(_speed_figures())
 
 
 def write(name: str, fig: Figure, numbers: pd.DataFrame, out: Path) -> list[Path]:

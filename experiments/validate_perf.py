@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="measured runs per point, round-robin over the points")
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--device", default="cpu", help="cpu, or cuda with a profile of that GPU (--profile)")
     p.add_argument("--results", default=None, help="also write each point's measured and modelled rows here")
     args = p.parse_args(argv)
     from experiments.calibrate import steady_allocator
@@ -84,11 +85,11 @@ def main(argv=None) -> int:
         sys.exit(f"error: --profile: {args.profile} does not exist; run `python -m experiments.calibrate` first")
     hardware = OmegaConf.to_container(OmegaConf.load(args.profile))
     data_dir = args.data_dir if Path(args.data_dir).is_dir() else None
-    print(f"# smollm2-135m (float32) on this CPU, {torch.get_num_threads()} threads; profile {args.profile}: "
+    print(f"# smollm2-135m (float32) on {args.device}, {torch.get_num_threads()} threads; profile {args.profile}: "
           + ", ".join(f"{k}={v}" for k, v in hardware.items() if k not in ("name", "machine")), flush=True)
     print(f"{'point':<16} {'batch':>5} {'prompt':>6} {'measured':>9} {'rounds':>15} {'modelled':>9} {'ratio':>6}  "
           f"modelled terms (ms): compute / speculation / host / exposed link", flush=True)
-    model, tokenizer = adapter.load(compose("full", {}, {}, None, data_dir).model, device="cpu")
+    model, tokenizer = adapter.load(compose("full", {}, {}, None, data_dir).model, device=args.device)
     ratios = []
     for batch in args.batches:
         for prompt in args.prompts:
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                     method_cfg, overrides = POINTS[name]
                     cfg = compose(method_cfg, overrides, task, None, data_dir)
                     t0 = time.perf_counter()
-                    result = latency.run(model, tokenizer, instantiate(cfg.method), cfg.task, data_dir, device="cpu")
+                    result = latency.run(model, tokenizer, instantiate(cfg.method), cfg.task, data_dir, device=args.device)
                     runs[name].append({**result, "wall_s": time.perf_counter() - t0})
             for name in args.points:
                 method_cfg, overrides = POINTS[name]
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
                       f"{modelled['compute_ms']:.1f} / {modelled['speculation_ms']:.1f} / {modelled['host_ms']:.1f} / "
                       f"{modelled['exposed_transfer_ms']:.1f}", flush=True)
                 if args.results:
-                    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": "cpu",
+                    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": args.device,
                             "threads": torch.get_num_threads(), "wall_s": sum(r["wall_s"] for r in runs[name]),
                             "host": platform.node(), "finished": datetime.now(timezone.utc).isoformat(),
                             "random_init": False}
