@@ -716,14 +716,10 @@ FIGURES: dict[str, Callable[[pd.DataFrame], tuple[Figure, pd.DataFrame]]] = {
     "needle_heatmap": needle_heatmap,
 }
 
+from analysis import speed  # noqa: E402  (it draws with this module's helpers, read at call time)
 
-def _speed_figures() -> dict:
-    from analysis import speed  # it imports this module's helpers
-
-    return {"fig14_16_modelled": speed.fig14_16_modelled, "speed_validation": speed.speed_validation}
-
-
-FIGURES.update(_speed_figures())
+FIGURES.update({"fig14_16_modelled": lambda df: speed.fig14_16_modelled(df),
+                "speed_validation": lambda df: speed.speed_validation(df)})
 
 
 def write(name: str, fig: Figure, numbers: pd.DataFrame, out: Path) -> list[Path]:

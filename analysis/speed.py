@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis.figures import color, column, empty_figure, grid, metric, models_by_size, no_data, run_hint
+from analysis import figures as F  # analysis.figures lists this module's figures: names are read at call time
 
 TERMS = [("compute_ms", "compute", "#4c72b0"), ("speculation_ms", "speculation", "#dd8452"),
-         ("host_ms", "host gather", "#937860"), ("exposed_transfer_ms", "exposed link", "#c44e52")]
+         ("host_ms", "host gather (exposed)", "#937860"), ("exposed_transfer_ms", "link (exposed)", "#c44e52")]
 PRESETS = ("fig14_15_latency_batch_modelled", "fig16a_latency_prompt_modelled", "fig16b_latency_model_modelled")
 
 
@@ -25,17 +25,17 @@ def modelled_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Latency rows of timing=modelled (validation rows aside), with the numbers flattened and a `label`."""
     if df.empty or "task" not in df:
         return pd.DataFrame()
-    rows = df[(df["task"] == "latency") & (column(df, "metrics.timing") == "modelled")
-              & column(df, "metrics.validation_point").isna()].copy()
+    rows = df[(df["task"] == "latency") & (F.column(df, "metrics.timing") == "modelled")
+              & F.column(df, "metrics.validation_point").isna()].copy()
     if rows.empty:
         return rows
     for name in ("batch_size", "prompt_len", "gen_len", "decode_ms_median", "over_gib", "h2d_bytes_per_token",
                  *(t for t, _, _ in TERMS)):
-        rows[name] = metric(rows, name)
-    rows["hardware"] = column(rows, "metrics.hardware")
-    rows["fits"] = column(rows, "metrics.fits").map(lambda v: v is not False)
-    rows["source"] = column(rows, "metrics.fractions_source")
-    runtime = column(rows, "task_params.runtime")
+        rows[name] = F.metric(rows, name)
+    rows["hardware"] = F.column(rows, "metrics.hardware")
+    rows["fits"] = F.column(rows, "metrics.fits").map(lambda v: v is not False)
+    rows["source"] = F.column(rows, "metrics.fractions_source")
+    runtime = F.column(rows, "task_params.runtime")
     rows["label"] = [m if r in (None, "auto") or pd.isna(r) else f"{m} ({r})" for m, r in zip(rows["method"], runtime)]
     return rows
 
@@ -50,10 +50,10 @@ def fig14_16_modelled(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     cols = ["panel", "label", "model", "hardware", "batch_size", "prompt_len", "decode_ms_median", "speedup", "fits"]
     if rows.empty:
         hint = "\n".join(f"python run.py -m +experiment={p}" for p in PRESETS)
-        return empty_figure(title, "latency rows with task.timing=modelled", hint), pd.DataFrame(columns=cols)
+        return F.empty_figure(title, "latency rows with task.timing=modelled", hint), pd.DataFrame(columns=cols)
     hw = rows["hardware"].mode().iloc[0]
     rows = rows[rows["hardware"] == hw]
-    fig, axes = grid(4, cols=2, size=(5.6, 3.6))
+    fig, axes = F.grid(4, cols=2, size=(5.6, 3.6))
     out = []
     # (a) Fig. 14: the largest batch of the batch sweep, terms stacked
     ax = axes[0]
@@ -79,7 +79,7 @@ def fig14_16_modelled(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     ax.set_xlim(0, left.max() * 1.35 if len(left) else 1)
     head = top.iloc[0]
     ax.set_title(f"Fig. 14: {head['model']}, batch {int(head['batch_size'])}, {int(head['prompt_len'])}+"
-                 f"{int(metric(top, 'gen_len').iloc[0])}; speedup vs offload", fontsize=8)
+                 f"{int(F.metric(top, 'gen_len').iloc[0])}; speedup vs offload", fontsize=8)
     ax.legend(fontsize=6, loc="lower right")
     out.append(top.assign(panel="fig14", speedup=(base.iloc[0] / top["decode_ms_median"]) if len(base) else np.nan))
     # (b)-(d): lines over batch, prompt length, model
@@ -90,15 +90,15 @@ def fig14_16_modelled(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         spread = rows.groupby(keys)[along].transform(lambda s: s.astype(str).nunique())
         keys = keys[spread >= 2]
         if keys.empty:
-            no_data(ax, f"modelled rows over >= 2 values of {along}", run_hint(*PRESETS))
+            F.no_data(ax, f"modelled rows over >= 2 values of {along}", F.run_hint(*PRESETS))
             continue
         data = _latest(rows.loc[keys.index[keys == keys.value_counts().index[0]]], ["label", along])
-        order = models_by_size(data["model"]) if along == "model" else sorted(data[along].unique())
+        order = F.models_by_size(data["model"]) if along == "model" else sorted(data[along].unique())
         x = {v: i for i, v in enumerate(order)}
         for label, part in data.groupby("label"):
             part = part.assign(pos=part[along].map(x)).sort_values("pos")
             ax.plot(part["pos"], part["decode_ms_median"], marker="o", markersize=3, linewidth=1.2, label=label,
-                    color=color(label.split(" ", 1)[0]))
+                    color=F.color(label.split(" ", 1)[0]))
             misfit = part[~part["fits"]]
             ax.scatter(misfit["pos"], misfit["decode_ms_median"], s=30, marker="x", color="black", linewidths=0.8)
         ax.set_xticks(range(len(order)), [str(int(v)) if along != "model" else str(v) for v in order], fontsize=7)
@@ -124,14 +124,14 @@ def validation_rows(df: pd.DataFrame) -> pd.DataFrame:
     """One row per validation point: measured and modelled decode ms/token on this machine, and their ratio."""
     if df.empty or "task" not in df:
         return pd.DataFrame(columns=["point", "batch_size", "prompt_len", "measured_ms", "modelled_ms", "ratio"])
-    rows = df[(df["task"] == "latency") & column(df, "metrics.validation_point").notna()
-              & (column(df, "metrics.timing") == "modelled")].copy()
+    rows = df[(df["task"] == "latency") & F.column(df, "metrics.validation_point").notna()
+              & (F.column(df, "metrics.timing") == "modelled")].copy()
     out = pd.DataFrame({
         "point": rows["metrics.validation_point"] if len(rows) else [],
-        "batch_size": metric(rows, "batch_size"), "prompt_len": metric(rows, "prompt_len"),
-        "measured_ms": metric(rows, "measured_decode_ms"), "modelled_ms": metric(rows, "decode_ms_median"),
-        "ratio": metric(rows, "ratio"),
-        **{legend: metric(rows, t) for t, legend, _ in TERMS},
+        "batch_size": F.metric(rows, "batch_size"), "prompt_len": F.metric(rows, "prompt_len"),
+        "measured_ms": F.metric(rows, "measured_decode_ms"), "modelled_ms": F.metric(rows, "decode_ms_median"),
+        "ratio": F.metric(rows, "ratio"),
+        **{legend: F.metric(rows, t) for t, legend, _ in TERMS},
     })
     return out.sort_values(["batch_size", "prompt_len", "point"]).reset_index(drop=True)
 
@@ -140,7 +140,7 @@ def speed_validation(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     data = validation_rows(df)
     title = "Performance model vs this machine (smollm2-135m, CPU)"
     if data.empty:
-        return empty_figure(title, "validation rows", "python -m experiments.calibrate && "
+        return F.empty_figure(title, "validation rows", "python -m experiments.calibrate && "
                                                       "python -m experiments.validate_perf --results docs/store"), data
     fig = Figure(figsize=(5.2, 4.4), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
@@ -190,7 +190,7 @@ def claims(df: pd.DataFrame) -> list[str]:
     for panel, along in (("Fig. 15", "batch_size"), ("Fig. 16a", "prompt_len"), ("Fig. 16b", "model")):
         part = numbers[(numbers["panel"] == panel) & (numbers["label"] == "infinigen")].dropna(subset=["speedup"])
         if len(part) >= 2:
-            order = models_by_size(part["model"]) if along == "model" else sorted(part[along])
+            order = F.models_by_size(part["model"]) if along == "model" else sorted(part[along])
             part = part.set_index(along).loc[order]
             grows = part["speedup"].is_monotonic_increasing
             out.append(f"{panel}: InfiniGen's speedup over offload along {along} "

@@ -275,11 +275,13 @@ class Clock:
         """The host waits for the device (a gather's indices are read on the host)."""
         self.host = max(self.host, self.device)
 
-    def wait_for(self, t: float) -> None:
-        """The device (CPU: the thread) waits for a fetch that lands at t."""
+    def wait_for(self, t: float, host_share: float = 0.0) -> None:
+        """The device (CPU: the thread) waits for a fetch that lands at t; `host_share` of the fetch's time was
+        host-side gathering (the exposed wait is split in that proportion)."""
         now = self.device
         if t > now:
-            self.busy["exposed_transfer"] += t - now
+            self.busy["host"] += (t - now) * host_share
+            self.busy["exposed_transfer"] += (t - now) * (1 - host_share)
             self.device = t
             if not self.overlap:
                 self.host = t
@@ -294,18 +296,19 @@ class Link:
     engine: float = float("-inf")
     busy_s: float = 0.0
 
-    def fetch(self, clock: Clock, issued: float, host_dispatch_s: float, nbytes: float, gathered: bool) -> float:
-        """Time at which a fetch issued at `issued` has landed on the device."""
+    def fetch(self, clock: Clock, issued: float, host_dispatch_s: float, nbytes: float,
+              gathered: bool) -> tuple[float, float]:
+        """(time at which a fetch issued at `issued` has landed on the device, the host-side share of its time)."""
         host_s = host_dispatch_s + (2 * nbytes / (self.hw.host_gbps * 1e9) if gathered else 0.0)
         if self.hw.host_is_device:  # inline on the one thread: nothing crosses, the host work is the step's
             clock.host = clock.device = clock.host + host_s
             clock.busy["host"] += host_s
-            return clock.host
+            return clock.host, 0.0
         self.worker = max(issued, self.worker) + host_s
         copy = nbytes / (self.hw.h2d_gbps * 1e9)
         self.engine = max(self.worker, self.engine) + copy
         self.busy_s += copy
-        return self.engine
+        return self.engine, host_s / (host_s + copy) if host_s + copy > 0 else 0.0
 
 
 def selected_counts(fractions: list[float] | None, plan_: Plan, seen: int) -> list[float]:
@@ -338,7 +341,7 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
     link, clock = Link(hw), Clock(overlap=not hw.host_is_device)
     L = shape.layers
     point = getattr(method, "speculation_point", "query")
-    pending: dict[int, float] = {}  # layer -> landing time of its fetch
+    pending: dict[int, tuple[float, float]] = {}  # layer -> (landing time of its fetch, its host-side share)
     steps = []
     for s in range(gen_len):
         past = prompt_len + s  # entries before this step's token
@@ -365,7 +368,7 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
             if ahead == "attention_start" and wrap_ok:
                 issue(nxt)
             if j in pending:
-                clock.wait_for(pending.pop(j))
+                clock.wait_for(*pending.pop(j))
             clock.run(ops["attention"] / 2, work[j].attention)
             if ahead == "attention_end" and wrap_ok:
                 issue(nxt)
