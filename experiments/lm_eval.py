@@ -2,8 +2,10 @@
 
 lm-eval's HF backend scores a (context, continuation) request with one plain dense forward (see lm-eval issues
 #3298 / #2506: a KV-cache policy installed only for `generate()` never sees those forwards). `KVMethodLM` keeps
-lm-eval's request handling (tokenisation, truncation, batching, the one-token logits cache, metrics) but replaces
-the model call by `infinigen.modes.sim_logits`, so every log-likelihood comes out of the method.
+lm-eval's request handling (tokenisation, truncation, metrics) but scores each request from a sim-mode forward
+through the method (`infinigen.modes.sim_hidden`), so every log-likelihood comes out of the method; only the rows
+predicting the continuation go through the LM head, in blocks (`modes.token_logprobs`), never the whole
+(batch, t, vocab) logits lm-eval's HF backend forms.
 
 Two protocols, recorded in every row:
 
@@ -15,7 +17,7 @@ Two protocols, recorded in every row:
   row, i.e. by the dense prefill (as in real serving, where the first output token comes out of the prefill), so
   single-token continuations (rte, mmlu-style letters) score exactly as under full attention. sim-mode
   ``dense_rows`` is one int per forward, so requests are grouped by context length and each group is scored
-  separately (which also keeps lm-eval's logits cache from sharing logits across different context lengths).
+  separately (which also keeps requests with different context lengths from sharing a forward).
 
 Generative tasks (``generate_until``) decode greedily in decode mode (dense prefill of the prompt, then one token
 per step through the method's `decode_attention`), whatever the protocol; sampling is refused.

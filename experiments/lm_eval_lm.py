@@ -45,53 +45,70 @@ class KVMethodLM(HFLM):
         self.method = method
         self.protocol = protocol
         self.dense_rows = dense_rows
-        self._call_dense_rows = dense_rows  # what the next `_model_call` uses
         self.counts = {"requests": 0, "forwards": 0, "rows": 0, "generated": 0}
 
     def reset_counts(self) -> None:
         self.counts = dict.fromkeys(self.counts, 0)
 
-    def input_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
-        """Length of the model input lm-eval's HFLM builds: (context + continuation)[-(max_length + 1):][:-1]."""
-        return min(len(context_enc) + len(continuation_enc), self.max_length + 1) - 1
-
-    def prefill_rows(self, context_enc: list[int], continuation_enc: list[int]) -> int:
-        """Rows of that input holding context tokens (what the serving protocol prefills densely)."""
-        return self.input_rows(context_enc, continuation_enc) - (len(continuation_enc) - 1)
+    def model_input(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[int, ...]:
+        """The model input HFLM builds for a request: (context + continuation)[-(max_length + 1):][:-1]."""
+        if not context_enc or not continuation_enc or len(continuation_enc) > self.max_length:
+            raise ValueError(f"a request needs a context and a continuation of 1..{self.max_length} tokens, got "
+                             f"{len(context_enc)} and {len(continuation_enc)}")
+        return tuple((context_enc + continuation_enc)[-(self.max_length + 1) :][:-1])
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """HFLM's scoring, run separately on each group of requests with the same input length (and, for serving,
-        the same context length): every batch is then pad-free, so neither a method that reads the sequence length
-        (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one int."""
+        """(log-likelihood, is_greedy) of each (strings, context ids, continuation ids) request, as HFLM scores it:
+        the continuation's log-probs from the input rows that predict its tokens. Unlike HFLM, which takes the
+        log-softmax of the whole (batch, t, vocab) logits, only those rows go through the LM head, in blocks
+        (`modes.token_logprobs`): memory stays linear in t. Requests are grouped by input length (and, for serving,
+        context length), so every batch is pad-free: neither a method that reads the sequence length
+        (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one int. Requests
+        with the same input share one forward (lm-eval's one-token-continuation logits cache, generalised)."""
         self.counts["requests"] += len(requests)
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int], dict[tuple[int, ...], list[int]]] = {}  # (rows, dense_rows) -> input -> requests
         for i, (_, context_enc, continuation_enc) in enumerate(requests):
-            dense = self.prefill_rows(context_enc, continuation_enc) if self.protocol == "serving" else self.dense_rows
-            groups.setdefault((self.input_rows(context_enc, continuation_enc), dense), []).append(i)
+            inp = self.model_input(context_enc, continuation_enc)
+            dense = len(inp) - (len(continuation_enc) - 1) if self.protocol == "serving" else self.dense_rows
+            groups.setdefault((len(inp), dense), {}).setdefault(inp, []).append(i)
         out: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:
-            for (_, dense), index in groups.items():
-                self._call_dense_rows = dense
-                scored = super()._loglikelihood_tokens(
-                    [requests[i] for i in index], disable_tqdm=True, override_bs=override_bs
-                )
-                for i, answer in zip(index, scored, strict=True):
-                    out[i] = answer
-                bar.update(len(index))
+            for (_, dense), inputs in groups.items():
+                batches = list(inputs.items())
+                for b in range(0, len(batches), self.batch_size):
+                    batch = batches[b : b + self.batch_size]
+                    inps = torch.tensor([inp for inp, _ in batch], device=self.device)  # (b, t)
+                    hidden = self._hidden_call(inps, dense)  # (b, t, hidden)
+                    where = f"forward {self.counts['forwards']} (batch {tuple(inps.shape)})"
+                    for row, (_, index) in zip(hidden, batch, strict=True):
+                        for i in index:
+                            out[i] = self._score(requests[i], row, where)
+                            bar.update(1)
         return out
 
-    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        if attn_mask is not None or labels is not None:
-            raise ValueError("KVMethodLM is a causal LM: no encoder mask / labels")
+    def _score(self, request, hidden: torch.Tensor, where: str) -> tuple[float, bool]:
+        """(log-likelihood, is_greedy) of a request's continuation from its input's final hidden states (t, hidden)."""
+        request_str, _, continuation_enc = request
+        cont = torch.tensor(continuation_enc, device=hidden.device)  # (c,)
+        scores = modes.token_logprobs(self.model, hidden[-cont.numel() :], cont)
+        if not scores.finite:  # lm-eval would turn NaN log-likelihoods into a plausible accuracy
+            raise FloatingPointError(
+                f"lm_eval: non-finite logits in {where}; no row written (check model.arch, model.dtype, the method)"
+            )
+        answer = (float(scores.logprob.sum()), bool(scores.greedy.all()))
+        if request_str is not None:  # loglikelihood_rolling's windows have none: it caches per document itself
+            self.cache_hook.add_partial("loglikelihood", request_str, answer)
+        return answer
+
+    def _hidden_call(self, inps: torch.Tensor, dense_rows: int) -> torch.Tensor:
+        """inps (b, t), pad-free -> final hidden states (b, t, hidden) of one sim-mode forward through the method."""
         self.counts["forwards"] += 1
         self.counts["rows"] += inps.numel()
-        logits = modes.sim_logits(self.model, self.method, inps, dense_rows=self._call_dense_rows)
-        if not torch.isfinite(logits).all():  # lm-eval would turn NaN log-likelihoods into a plausible accuracy
-            raise FloatingPointError(
-                f"lm_eval: non-finite logits in forward {self.counts['forwards']} (batch {tuple(inps.shape)}); "
-                "no row written (check model.arch, model.dtype, the method)"
-            )
-        return logits
+        return modes.sim_hidden(self.model, self.method, inps, dense_rows=dense_rows)
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        # HFLM's would run the plain model, bypassing the method; every score here goes through `_hidden_call`
+        raise NotImplementedError("KVMethodLM scores through _loglikelihood_tokens (batch_size='auto' is not supported)")
 
     # ------------------------------------------------------------------ generation (decode mode)
     def _stop_ids(self) -> set[int]:

@@ -44,7 +44,7 @@ def first_nonfinite_layer(model, method, window, dense_rows: int) -> int | None:
     import torch
 
     from infinigen import adapter
-    from infinigen.modes import sim_logits
+    from infinigen.modes import sim_hidden
 
     bad: list[int] = []
 
@@ -57,17 +57,15 @@ def first_nonfinite_layer(model, method, window, dense_rows: int) -> int | None:
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(adapter.decoder_layers(model))]
     try:
-        sim_logits(model, method, window, dense_rows=dense_rows)
+        sim_hidden(model, method, window, dense_rows=dense_rows)
     finally:
         for h in handles:
             h.remove()
     return bad[0] if bad else None
 
 
-def check_window(model, method, window, logits, index: int, start: int, dense_rows: int) -> None:
-    import torch
-
-    if torch.isfinite(logits).all():
+def check_window(model, method, window, finite: bool, index: int, start: int, dense_rows: int) -> None:
+    if finite:
         return
     layer = first_nonfinite_layer(model, method, window, dense_rows)
     where = f"decoder layer {layer}" if layer is not None else "the final norm / LM head"
@@ -82,7 +80,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     from tqdm import tqdm
 
     from infinigen.adapter import encode
-    from infinigen.modes import cache_bytes, sim_logits
+    from infinigen.modes import cache_bytes, sim_hidden, token_logprobs
 
     text = corpus_text(task.dataset, data_dir)
     ids = encode(tokenizer, text, model.config.vocab_size)
@@ -99,10 +97,11 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     for index, (start, first) in enumerate(tqdm(spans, desc=f"ppl {task.dataset}", unit="window")):
         window = ids[start : start + task.seq_len][None].to(device)
         t0 = time.perf_counter()
-        logits = sim_logits(model, method, window, dense_rows=task.dense_rows, attention=task.get("attention", "fused"))
+        hidden = sim_hidden(model, method, window, dense_rows=task.dense_rows, attention=task.get("attention", "fused"))
+        scores = token_logprobs(model, hidden[0, :-1], window[0, 1:])  # in blocks of rows: no (t, vocab) logits
         seconds.append(time.perf_counter() - t0)
-        check_window(model, method, window, logits, index, start, task.dense_rows)
-        nll = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none").double()
+        check_window(model, method, window, scores.finite, index, start, task.dense_rows)
+        nll = -scores.logprob.cpu()
         pos = torch.arange(1, task.seq_len)  # position of each predicted token
         scored = pos >= max(first, 1)
         nll_sum += float(nll[scored].sum())

@@ -171,6 +171,18 @@ def pre_norm(model) -> bool:
     return bool(getattr(model.config, "do_layer_norm_before", True))
 
 
+def final_hidden(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The forward up to the LM head's input (final norm applied): (b, t) -> (b, t, hidden). Scoring from these in
+    blocks of rows never forms the (b, t, vocab) logits the model's own forward returns."""
+    return model.get_decoder()(input_ids, **kwargs).last_hidden_state
+
+
+def lm_head(model) -> torch.nn.Module:
+    """hidden -> logits. For every supported family (FAMILIES) the logits are exactly lm_head(final_hidden):
+    no softcapping or logit scale after it."""
+    return model.get_output_embeddings()
+
+
 def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(first, last) module of a decoder block's feed-forward part, for timing hooks: Llama's `mlp`, OPT's fc1..fc2."""
     if hasattr(block, "mlp"):

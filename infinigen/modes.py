@@ -2,19 +2,66 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from infinigen import adapter
+
+# Logits per scoring block (rows x vocab): 32 MB in fp32 whatever the sequence length (170 rows of smollm2's
+# 49,152-token vocab, 65 of Llama-3's 128,256). Scoring never holds more than one block (and its float64 copy).
+LOGIT_BLOCK = 1 << 23
+
+
+@torch.inference_mode()
+def sim_hidden(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None,
+               attention: str = "fused") -> torch.Tensor:
+    """One teacher-forced forward; rows >= dense_rows behave as decoded tokens. (b, t) -> final hidden states
+    (b, t, hidden), the LM head's input: score them with `token_logprobs`.
+    attention: "fused" (SDPA per row chunk) or "exact" (transformers' eager math per row chunk)."""
+    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=input_ids.shape[1],
+                         attention=attention):
+        return adapter.final_hidden(model, input_ids, attention_mask=attention_mask, use_cache=False)
 
 
 @torch.inference_mode()
 def sim_logits(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None,
                attention: str = "fused") -> torch.Tensor:
-    """One teacher-forced forward; rows >= dense_rows behave as decoded tokens. (b, t) -> (b, t, vocab).
-    attention: "fused" (SDPA per row chunk) or "exact" (transformers' eager math per row chunk)."""
-    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=input_ids.shape[1],
-                         attention=attention):
-        return model(input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    """`sim_hidden` through the LM head, (b, t) -> (b, t, vocab) fp32: whole distributions, for comparing two
+    forwards at modest t. Scoring tokens goes through `token_logprobs`, which never forms these."""
+    hidden = sim_hidden(model, method, input_ids, dense_rows, attention_mask, attention)
+    return adapter.lm_head(model)(hidden).float()
+
+
+@dataclass
+class TokenScores:
+    logprob: torch.Tensor  # float64, targets' shape: log p(target)
+    greedy: torch.Tensor  # bool, targets' shape: the target is its row's argmax
+    finite: bool  # every logit of every row was finite
+
+
+@torch.inference_mode()
+def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> TokenScores:
+    """Scores of targets (...) under the logits of hidden (..., hidden), LOGIT_BLOCK logits at a time: the LM head
+    over a block of rows, then the target's logit and the block's log-sum-exp in float64. Memory: one block,
+    whatever the number of rows (a whole sequence's (t, vocab) logits are never formed)."""
+    head = adapter.lm_head(model)
+    flat, want = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (n, hidden), (n,)
+    rows = max(1, LOGIT_BLOCK // head.weight.shape[0])
+    logprob, greedy, finite = [], [], torch.ones((), dtype=torch.bool, device=hidden.device)
+    for start in range(0, flat.shape[0], rows):
+        logits = head(flat[start : start + rows])  # (r, vocab)
+        target = want[start : start + rows, None]  # (r, 1)
+        finite &= torch.isfinite(logits).all()
+        greedy.append(logits.argmax(-1) == target[:, 0])
+        logits = logits.double()  # a copy unless the model runs in float64: then the head's own output
+        picked = logits.gather(-1, target)[:, 0]
+        top = logits.amax(-1, keepdim=True)
+        lse = logits.sub_(top).exp_().sum(-1).log_() + top[:, 0]
+        logprob.append(picked - lse)
+    empty = flat.new_empty(0, dtype=torch.float64)
+    return TokenScores(logprob=torch.cat(logprob or [empty]).view(targets.shape),
+                       greedy=torch.cat(greedy or [empty.bool()]).view(targets.shape), finite=bool(finite))
 
 
 def new_cache(model, method):
@@ -24,7 +71,8 @@ def new_cache(model, method):
 def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     t = input_ids.shape[1]
     pos = torch.arange(t, device=input_ids.device)[None]
-    return model(input_ids, cache=cache, position_ids=pos, use_cache=True).logits[:, -1].float()
+    # logits_to_keep=1: the next token needs the last row only, not the prompt's (t, vocab) logits
+    return model(input_ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
 
 def decode_step(model, token: torch.Tensor, cache, position: int) -> torch.Tensor:

@@ -139,7 +139,7 @@ def test_corpus_shorter_than_a_window_after_tokenisation_fails_before_any_forwar
 
     from infinigen import modes
 
-    monkeypatch.setattr(modes, "sim_logits", no_forward)  # ppl imports it when it runs
+    monkeypatch.setattr(modes, "sim_hidden", no_forward)  # ppl imports it when it runs
     model, _ = load_model("tiny-llama")
     with pytest.raises(ValueError, match=r"has 62 tokens after tokenisation, fewer than one window \(seq_len=64\)"):
         ppl.run(model, None, method_from_conf("full"), task, None)

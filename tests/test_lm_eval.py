@@ -119,6 +119,27 @@ def test_full_matches_lm_eval_hflm(tiny, protocol):
 
 
 @pytest.mark.parametrize("protocol", le.PROTOCOLS)
+def test_float64_scores_equal_lm_eval_whole_logits(protocol, monkeypatch):
+    """Scores from the continuation rows' hidden states, in blocks = lm-eval's HFLM from the whole (batch, t,
+    vocab) log-softmax of the model's own SDPA forward, in float64 to rounding; is_greedy identical."""
+    from lm_eval.models.huggingface import HFLM
+
+    from infinigen import modes
+
+    model, _ = load_model("tiny-llama", "float64")
+    tiny64 = (model, adapter.byte_tokenizer())
+    ref_lm = HFLM(pretrained=model, tokenizer=tiny64[1], backend="causal", batch_size=1, max_length=MAX_LENGTH)
+    reqs = token_requests(MAX_LENGTH)
+    with adapter.attn_implementation(model, "sdpa"):
+        ref = ref_lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    monkeypatch.setattr(modes, "LOGIT_BLOCK", 2 * model.config.vocab_size)  # several blocks per continuation
+    got = make_lm(tiny64, Full(), protocol, batch_size=4)._loglikelihood_tokens(reqs, disable_tqdm=True)
+    torch.testing.assert_close(torch.tensor([g[0] for g in got], dtype=torch.float64),
+                               torch.tensor([r[0] for r in ref], dtype=torch.float64), atol=1e-9, rtol=0)
+    assert [g[1] for g in got] == [r[1] for r in ref]
+
+
+@pytest.mark.parametrize("protocol", le.PROTOCOLS)
 def test_sparse_method_changes_scores(tiny, protocol):
     full = lls(make_lm(tiny, Full(), protocol), token_requests(MAX_LENGTH))
     sparse_lm = make_lm(tiny, RecentOnly(window=4), protocol)

@@ -40,6 +40,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(method_module, "SIM_CHUNK", CHUNK)
 
 
+@pytest.fixture
+def small_logit_blocks(monkeypatch):
+    monkeypatch.setattr(modes, "LOGIT_BLOCK", 64 * 512)  # 64 rows of the tiny models' 512-token vocab
+
+
 @pytest.mark.parametrize("method_name,overrides,dense_rows", list(cases()))
 def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
     model, _ = load_model("tiny-llama-gqa", "float64")
@@ -107,10 +112,11 @@ def test_no_quadratic_float_tensor(method_name, mode, small_chunks):
     assert spy.numel >= (t - 1) * model.config.vocab_size  # the spy saw the forward (the prefill's logits)
 
 
-def test_full_ppl_equals_plain_transformers(small_chunks, data_dir):
-    """The ppl task through `full` (fused kernel, several chunks per window) scores exactly what the model's own
-    SDPA forward predicts on the same windows (float64 model; its eager forward runs the softmax in fp32). sim_logits
-    hands logits out in float32, so they are compared at that resolution (1 ulp of a logit near 1 is 6e-8)."""
+def test_full_ppl_equals_plain_transformers(small_chunks, small_logit_blocks, data_dir):
+    """The ppl task through `full` (fused kernel, several chunks per window, log-probs in blocks of 64 rows) scores
+    exactly what the model's own SDPA forward predicts on the same windows, from its whole logits (float64 model;
+    its eager forward runs the softmax in fp32). sim_logits hands logits out in float32, so they are compared at
+    that resolution (1 ulp of a logit near 1 is 6e-8); the task's nll is float64 throughout."""
     from omegaconf import OmegaConf
 
     from experiments import ppl
@@ -129,4 +135,65 @@ def test_full_ppl_equals_plain_transformers(small_chunks, data_dir):
         torch.testing.assert_close(ours, plain.float(), atol=1e-7, rtol=0)
         nll.append(torch.nn.functional.cross_entropy(plain[0, :-1], window[0, 1:], reduction="none"))
     result = ppl.run(model, None, method_from_conf("full"), task, data_dir)
-    assert result["nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-7)
+    assert result["nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- log-probs in blocks
+
+
+def _ppl_task(seq_len: int, max_windows: int = 1):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"dataset": "wikitext2", "seq_len": seq_len, "stride": None, "max_windows": max_windows,
+                             "dense_rows": 0})
+
+
+def _scoring_entry(entry, model, data_dir, t):
+    """A callable running one of the evaluation entry points on a t-token sequence of the tiny model."""
+    from experiments import needle, ppl
+    from experiments.lm_eval_lm import KVMethodLM
+
+    method = method_from_conf("full")
+    ids = random_ids(t, 256)[0].tolist()  # byte ids: the byte tokenizer's range
+    if entry == "ppl":
+        return lambda: ppl.run(model, None, method, _ppl_task(t), data_dir)
+    lm = KVMethodLM(model, adapter.byte_tokenizer(), method, max_length=t)
+    if entry == "lm_eval":
+        return lambda: lm._loglikelihood_tokens([(None, ids[:-8], ids[-8:])], disable_tqdm=True)
+    if entry == "generate":
+        return lambda: lm.greedy(torch.tensor([ids]), new_tokens=3, stop=[])
+    prompt = needle.Prompt(torch.tensor(ids[:-5]), torch.tensor(ids[-5:]), "", 10, 20)
+    return lambda: needle.score(model, method, prompt, "cpu")
+
+
+@pytest.mark.parametrize("entry", ["ppl", "lm_eval", "generate", "needle"])
+def test_no_vocab_wide_float_tensor(entry, small_chunks, small_logit_blocks, data_dir):
+    """Scoring a t-token sequence never forms its (t, vocab) logits (nor their log-softmax): log-probs come from
+    blocks of 64 rows, greedy tokens and needle answers from the one row each step needs. At t = 1000 the largest
+    float tensor left is the model's own MLP activation, (t, intermediate) = half of (t, vocab)."""
+    model, _ = load_model("tiny-llama")
+    t, vocab, inner = 1000, model.config.vocab_size, model.config.intermediate_size
+    run = _scoring_entry(entry, model, data_dir, t)
+    with LargestFloat() as spy:
+        run()
+    assert spy.numel <= t * inner < t * vocab, f"{entry}: a {spy.numel}-element float tensor at t={t}, vocab={vocab}"
+    assert spy.numel >= (t - 8) * inner  # the spy saw the forward
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-opt"])
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 10_000])
+def test_token_logprobs_equal_the_whole_log_softmax(model_name, block_rows, monkeypatch):
+    """Blocks of any size (one row, a size that does not divide the rows, more than all of them) give the
+    log-probs and argmax of the whole (b, t, vocab) log-softmax (float64 model: to rounding)."""
+    model, _ = load_model(model_name, "float64")
+    monkeypatch.setattr(modes, "LOGIT_BLOCK", block_rows * model.config.vocab_size)
+    ids = random_ids(90, model.config.vocab_size, batch=2)
+    hidden = modes.sim_hidden(model, method_from_conf("full"), ids)  # (2, 90, hidden)
+    targets = ids.roll(-1, dims=1)
+    scores = modes.token_logprobs(model, hidden, targets)
+    whole = adapter.lm_head(model)(hidden).log_softmax(-1)  # (2, 90, vocab)
+    assert scores.logprob.dtype == torch.float64 and scores.logprob.shape == targets.shape and scores.finite
+    torch.testing.assert_close(scores.logprob, whole.gather(-1, targets[..., None])[..., 0], atol=1e-12, rtol=0)
+    assert torch.equal(scores.greedy, whole.argmax(-1) == targets)
+    greedy_targets = whole.argmax(-1)
+    assert modes.token_logprobs(model, hidden, greedy_targets).greedy.all()

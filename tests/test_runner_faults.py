@@ -139,8 +139,9 @@ def test_nan_logits_fail_lm_eval_scoring():
 
     model, _ = adapter.load(model_cfg("tiny-llama", arch={"rope_theta": 0.0}))
     lm = KVMethodLM(model, None, Full(), max_length=64)
+    ids = torch.randint(0, 256, (17,)).tolist()
     with pytest.raises(FloatingPointError, match=r"lm_eval: non-finite logits in forward 1 \(batch \(1, 16\)\)"):
-        lm._model_call(torch.randint(0, 256, (1, 16)))
+        lm._loglikelihood_tokens([(None, ids[:9], ids[9:])], disable_tqdm=True)
 
 
 def test_non_finite_metrics_write_no_row(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import torch
 
 from infinigen import adapter
 from infinigen.contract import KVMethod
-from infinigen.modes import sim_logits
+from infinigen.modes import sim_hidden
 
 
 @dataclass
@@ -67,7 +67,7 @@ def capture_qk(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
             captured[layer.index] = (q[0].float(), k[0].float())
             return super().forward_attention(session, layer, q, k, v, allowed)
 
-    sim_logits(model, Capture(), input_ids)
+    sim_hidden(model, Capture(), input_ids)  # the captures are all it needs: no LM head
     return [captured[i] for i in sorted(captured)]
 
 
