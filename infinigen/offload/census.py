@@ -22,10 +22,15 @@ import hashlib
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from infinigen import adapter
+from infinigen.offload.runtime import OffloadRuntime
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 CENSUS_PROMPT, CENSUS_STEPS = 64, 5
@@ -167,13 +172,6 @@ def _params(method) -> dict:
 
 def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
            head_dim: int = 16) -> list[dict]:
-    import time
-
-    from omegaconf import OmegaConf
-
-    from infinigen import adapter
-    from infinigen.offload.runtime import OffloadRuntime
-
     cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
                             "seed": 0, "arch": stand_in_arch(dict(model_cfg.arch), layers, head_dim)})
     model, _ = adapter.load(cfg, device="cpu")
