@@ -309,7 +309,7 @@ def run_point(cfg: DictConfig) -> dict | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if cfg.get("debug") or DEBUG:
+    if cfg.get("debug") is True or DEBUG:
         return run(cfg)
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     sweep = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
@@ -362,10 +362,14 @@ def hydra_error(err: BaseException) -> UserError | None:
                              "lists the options")
         return UserError("config", " ".join(text.split("Config search path")[0].split()))
     frames = traceback.extract_tb(err.__traceback__)
-    in_hydra = any(f"{os.sep}hydra{os.sep}" in f.filename for f in frames)
-    if isinstance(err, OSError) and in_hydra and not any(f.name == "run_point" for f in frames):
+    if not frames or any(f.name == "run_point" for f in frames):
+        return None  # raised inside a job: the runner has classified it
+    if isinstance(err, OSError) and any(f"{os.sep}hydra{os.sep}" in f.filename for f in frames):
         return UserError("results_dir", f"cannot create Hydra's output folder {err.filename} ({err.strerror}); choose "
                          "a results_dir=... (or hydra.run.dir / hydra.sweep.dir) you can write")
+    if isinstance(err, ValueError) and any(part in frames[-1].filename for part in (f"{os.sep}hydra{os.sep}",
+                                                                                  f"{os.sep}omegaconf{os.sep}")):
+        return UserError("override", f"{' '.join(text.split())} (composing the config from the command line)")
     return None
 
 

@@ -87,7 +87,7 @@ def test_run_end_to_end():
 def test_every_method_end_to_end(method_name):
     """The needle task through each method's decode mode: a prompt at each end of the filler, one key each."""
     model, _ = load_model("tiny-llama")
-    out = needle.run(model, None, method_from_conf(method_name), task(lengths=[200], depths=[0.0, 1.0], seeds=1),
+    out = needle.run(model, None, method_from_conf(method_name), task(lengths=[300], depths=[0.0, 1.0], seeds=1),
                      None)
     assert out["prompts"] == 2 and [c["depth"] for c in out["cells"]] == [0.0, 1.0]
     assert all(c["n"] == 1 and c["accuracy"] in (0.0, 1.0) and c["loglik"] < 0 for c in out["cells"])
