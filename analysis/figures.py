@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import traceback
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -171,6 +173,25 @@ def empty_figure(title: str, what: str, hint: str) -> Figure:
     return fig
 
 
+def context(rows: pd.DataFrame) -> str:
+    """What a figure's rows were measured on, for its title: models, hardware (the rows' meta.device) and data
+    (corpus or lm-eval tasks)."""
+    if rows.empty or "model" not in rows:
+        return ""
+    models = ", ".join(models_by_size(rows["model"].dropna().astype(str)))
+    devices = ", ".join(sorted({str(d) for d in column(rows, "meta.device").dropna()})) or "device not recorded"
+    data = {str(d) for d in column(rows, "task_params.dataset").dropna()}
+    data |= {str(t) for t in column(rows, "metrics.task").dropna()}
+    if "needle" in set(rows.get("task", [])):
+        data |= {f"needle ({f} filler)" for f in column(rows, "task_params.filler").fillna("repeat")}
+    return " | ".join(part for part in (models, devices, ", ".join(sorted(data))) if part)
+
+
+def titled(fig: Figure, title: str, rows: pd.DataFrame) -> None:
+    about = context(rows)
+    fig.suptitle(f"{title}\n{about}" if about else title, fontsize=11)
+
+
 def style(label: str, index: int) -> dict:
     method = label.split(" ", 1)[0]
     return {"color": color(method), "marker": MARKERS[index % len(MARKERS)]}
@@ -227,7 +248,7 @@ def fig11_accuracy(df: pd.DataFrame, x: str = "kv_pct") -> tuple[Figure, pd.Data
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title)
+    titled(fig, title, rows)
     cols = ["panel", "model", "curve", "method", x, "acc_pct", "recall", "config_hash"]
     return fig, rows[cols + param_columns(rows)].sort_values(["panel", "curve", x]).reset_index(drop=True)
 
@@ -269,61 +290,106 @@ def fig12_ppl_position(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     for ax, panel in zip(axes, panels):
         draw_curves(ax, data[data["panel"] == panel], "position", "nll")
         ax.set_title(panel, fontsize=9)
-        ax.set_xlabel("token position (chunk start)")
+        ax.set_xlabel("token position (chunk start, tokens)")
         ax.set_ylabel("NLL (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title)
+    titled(fig, title, rows)
     return fig, data[cols].sort_values(["panel", "curve", "position"]).reset_index(drop=True)
 
 
 # ----------------------------------------------------------------------------------------------- Fig. 13
 
 
+SKEW_BARS = ("full", "infinigen (no skew)", "infinigen (skew)")
+
+
+def skew_twins(rows: pd.DataFrame, setting: list[str]) -> pd.DataFrame:
+    """The InfiniGen rows of `rows` that have a twin differing in `skew` alone (same `setting` columns and every
+    other hyperparameter); `twin` names the pair, `bar` says which side a row is."""
+    gen = rows[rows["method"] == "infinigen"].copy()
+    if gen.empty or "method_params.skew" not in gen:
+        return gen.iloc[0:0].assign(twin=pd.Series(dtype=object), bar=pd.Series(dtype=object))
+    others = [c for c in param_columns(gen) if c != "method_params.skew"]
+    gen["twin"] = gen[setting + others].map(short).agg(" | ".join, axis=1)
+    gen = gen[gen.groupby("twin")["method_params.skew"].transform(lambda s: s.map(bool).nunique() == 2)]
+    gen["bar"] = np.where(gen["method_params.skew"].map(bool), SKEW_BARS[2], SKEW_BARS[1])
+    return gen
+
+
+def skew_params(pair: pd.DataFrame) -> str:
+    return ", ".join(f"{c.split('.', 1)[1]}={short(pair.iloc[0][c])}" for c in param_columns(pair)
+                     if c.split(".", 1)[1] in ("alpha", "budget", "partial_ratio"))
+
+
 def fig13_skew(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
-    """InfiniGen with vs without skewing, bars per lm-eval task, full attention alongside. Only InfiniGen runs
-    that have a twin differing in `skew` alone are shown."""
+    """InfiniGen with vs without skewing at a fixed budget, full attention alongside: accuracy bars per lm-eval
+    task (the paper's Fig. 13), and perplexity + speculation recall bars per ppl setting (the smoke preset). Only
+    InfiniGen runs that have a twin differing in `skew` alone are shown."""
     title = "Fig. 13: InfiniGen with and without skewing"
     hint = run_hint("fig13_skew_smoke", "fig13_skew")
-    cols = ["panel", "task", "bar", "acc_pct", "kv_pct", "config_hash"]
-    rows = with_kv(of_task(df, "lm_eval"))
-    rows["acc_pct"] = 100 * metric(rows, "acc")
-    rows["lm_task"] = column(rows, "metrics.task").astype(str)
-    setting = ["model", "metrics.num_fewshot", "metrics.protocol", "metrics.limit"]
-    for c in setting:
-        rows[c] = column(rows, c).map(short)
-    gen = rows[rows["method"] == "infinigen"].copy()
-    if "method_params.skew" in gen and not gen.empty:
-        others = [c for c in param_columns(gen) if c != "method_params.skew"]
-        gen["twin"] = gen[setting + others].map(short).agg(" | ".join, axis=1)
-        both = gen.groupby("twin")["method_params.skew"].transform(lambda s: s.map(bool).nunique() == 2)
-        gen = gen[both]
-    if gen.empty or "method_params.skew" not in gen:
-        what = "InfiniGen lm_eval rows with skew=true and skew=false"
+    cols = ["panel", "task", "bar", "metric", "value", "kv_pct", "config_hash"]
+    lm = with_kv(of_task(df, "lm_eval"))
+    lm["acc_pct"] = 100 * metric(lm, "acc")
+    lm["lm_task"] = column(lm, "metrics.task").astype(str)
+    lm_setting = ["model", "metrics.num_fewshot", "metrics.protocol", "metrics.limit"]
+    for c in lm_setting:
+        lm[c] = column(lm, c).map(short)
+    ppl = with_kv(of_task(df, "ppl"))
+    ppl["ppl"] = metric(ppl, "ppl")
+    ppl_setting = ["model", *[c for c in ppl.columns if c.startswith("task_params.")]]
+    for c in ppl_setting:
+        ppl[c] = ppl[c].map(short)
+    lm_gen, ppl_gen = skew_twins(lm, lm_setting), skew_twins(ppl, ppl_setting)
+    lm_twins, ppl_twins = sorted(lm_gen["twin"].unique()), sorted(ppl_gen["twin"].unique())
+    if not lm_twins and not ppl_twins:
+        what = "InfiniGen lm_eval or ppl rows with skew=true and skew=false"
         return empty_figure(title, what, hint), pd.DataFrame(columns=cols)
-    gen["bar"] = np.where(gen["method_params.skew"].map(bool), "infinigen (skew)", "infinigen (no skew)")
-    twins = sorted(gen["twin"].unique())
-    fig, axes = grid(len(twins), cols=1, size=(7.5, 3.2))
+    gap = len(lm_twins) % 2 if ppl_twins else 0  # a ppl panel and its recall panel share a row
+    fig, axes = grid(len(lm_twins) + gap + 2 * len(ppl_twins), cols=2, size=(5.5, 3.4))
+    for ax in axes[len(lm_twins) : len(lm_twins) + gap]:
+        ax.set_axis_off()
     plotted = []
-    for ax, twin in zip(axes, twins):
-        pair = gen[gen["twin"] == twin]
-        key = pair.iloc[0][setting]
-        same = (rows[setting] == key).all(axis=1) & rows["lm_task"].isin(pair["lm_task"])
-        full = rows[(rows["method"] == "full") & same]
-        data = pd.concat([full.assign(bar="full"), pair])
+    for ax, twin in zip(axes, lm_twins):
+        pair = lm_gen[lm_gen["twin"] == twin]
+        key = pair.iloc[0][lm_setting]
+        same = (lm[lm_setting] == key).all(axis=1) & lm["lm_task"].isin(pair["lm_task"])
+        data = pd.concat([lm[(lm["method"] == "full") & same].assign(bar="full"), pair])
         tasks = sorted(data["lm_task"].unique())
-        bars = [b for b in ("full", "infinigen (no skew)", "infinigen (skew)") if b in set(data["bar"])]
+        bars = [b for b in SKEW_BARS if b in set(data["bar"])]
         draw_bars(ax, data, "lm_task", "bar", "acc_pct", tasks, bars)
-        params = ", ".join(f"{c.split('.', 1)[1]}={short(pair.iloc[0][c])}" for c in param_columns(pair)
-                           if c != "method_params.skew" and c.split(".", 1)[1] in ("alpha", "budget", "partial_ratio"))
-        panel = f"{key['model']}, {key['metrics.num_fewshot']}-shot, {params}"
-        ax.set_title(panel, fontsize=9)
-        ax.set_ylabel("accuracy (%)")
+        panel = f"{key['model']}, {key['metrics.num_fewshot']}-shot, {skew_params(pair)}"
+        ax.set_title(panel, fontsize=8)
+        ax.set(xlabel="lm-eval task", ylabel="accuracy (%)")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
-        plotted.append(data.assign(panel=panel, task=data["lm_task"]))
-    fig.suptitle(title)
-    return fig, pd.concat(plotted)[cols].sort_values(["panel", "task", "bar"]).reset_index(drop=True)
+        plotted.append(data.assign(panel=panel, task=data["lm_task"], metric="acc_pct", value=data["acc_pct"]))
+    rest = axes[len(lm_twins) + gap :]
+    for i, twin in enumerate(ppl_twins):
+        pair = ppl_gen[ppl_gen["twin"] == twin]
+        key = pair.iloc[0][ppl_setting]
+        full = ppl[(ppl["method"] == "full") & (ppl[ppl_setting] == key).all(axis=1)]
+        data = pd.concat([full.assign(bar="full"), pair])
+        seq = short(key.get("task_params.seq_len"))
+        dataset = key.get("task_params.dataset")
+        panel = f"{key['model']}, {dataset}, {seq} tokens, {skew_params(pair)}"
+        for ax, y, ylabel in ((rest[2 * i], "ppl", "perplexity"),
+                              (rest[2 * i + 1], "recall", "recall (share of true attention mass fetched)")):
+            shown = data.dropna(subset=[y])
+            bars = [b for b in SKEW_BARS if b in set(shown["bar"])]
+            heights = [shown.loc[shown["bar"] == b, y].mean() for b in bars]
+            ax.bar(range(len(bars)), heights, color=[color(b.split(" ", 1)[0]) for b in bars],
+                   hatch=None, edgecolor="white")
+            ax.set_xticks(range(len(bars)), bars, fontsize=8)
+            for x, h in enumerate(heights):
+                ax.annotate(f"{h:.3g}", (x, h), ha="center", va="bottom", fontsize=7)
+            ax.set_title(panel, fontsize=8)
+            ax.set(xlabel=f"{dataset}, kv fraction {short(round(pair['kv_pct'].mean(), 1))}% (measured)",
+                   ylabel=ylabel)
+            ax.grid(alpha=0.3, axis="y")
+            plotted.append(shown.assign(panel=panel, task=dataset, metric=y, value=shown[y]))
+    titled(fig, title, pd.concat([lm[lm["method"] == "full"], lm_gen, ppl[ppl["method"] == "full"], ppl_gen]))
+    return fig, pd.concat(plotted)[cols].sort_values(["panel", "metric", "task", "bar"]).reset_index(drop=True)
 
 
 def speculation_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -343,6 +409,8 @@ def speculation_rows(df: pd.DataFrame) -> pd.DataFrame:
     others = [c for c in param_columns(gen) if c != col and c.split(".", 1)[1] not in size_params("infinigen", gen)]
     gen["group"] = gen[["setting", *others]].map(short).agg(" | ".join, axis=1)
     gen = gen[gen.groupby("group")[col].transform("nunique") >= 2]
+    if gen.empty:
+        return rows.iloc[0:0]
     refs = rows[rows["method"].isin(["full", "oracle"]) & rows["setting"].isin(gen["setting"])]
     out = pd.concat([gen, refs])
     out["ppl"] = metric(out, "ppl")
@@ -379,7 +447,7 @@ def fig13_speculation(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
             ax.set(xlabel="KV fraction attended (%, measured)", ylabel=ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
-    fig.suptitle(title)
+    titled(fig, title, rows)
     return fig, rows[cols].sort_values(["panel", "curve", "kv_pct"]).reset_index(drop=True)
 
 
@@ -590,7 +658,7 @@ def fig17_ablation(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         axes[1].grid(alpha=0.3)
         axes[1].legend(fontsize=7)
         plotted.append(data.assign(panel="latency vs alpha", value=data[y], metric=data["decode_source"]))
-    fig.suptitle(title)
+    titled(fig, title, pd.concat([p for p in plotted if not p.empty]) if any(not p.empty for p in plotted) else df)
     plotted = [p for p in plotted if not p.empty]
     if not plotted:
         return fig, pd.DataFrame(columns=cols)
@@ -649,10 +717,10 @@ def table2_eviction(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     pools = [p for p in order if p in set(rows["pool"])]
     fig, axes = grid(1, size=(max(6.0, 1.8 * len(settings)), 3.6))
     draw_bars(axes[0], rows, "setting", "pool", "ppl", settings, pools)
-    axes[0].set_ylabel("perplexity")
+    axes[0].set(xlabel="model / dataset / sequence length (tokens)", ylabel="perplexity")
     axes[0].grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=7)
-    fig.suptitle(title)
+    titled(fig, title, rows)
     return fig, rows[cols].sort_values(["setting", "pool"]).reset_index(drop=True)
 
 
@@ -693,11 +761,11 @@ def needle_heatmap(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
                 ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(table.columns)), [f"{d:g}" for d in table.columns])
         ax.set_yticks(range(len(table.index)), [f"{n:.0f}" for n in table.index])
-        ax.set_xlabel("needle depth")
+        ax.set_xlabel("needle depth (fraction of the filler)")
         ax.set_ylabel("prompt tokens")
         ax.set_title(f"{model}: {setting}", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-    fig.suptitle(title)
+    titled(fig, title, of_task(df, "needle"))
     numbers = pooled[["model", "setting", "length", "depth", "accuracy", "loglik", "n"]]
     return fig, numbers.sort_values(["model", "setting", "length", "depth"]).reset_index(drop=True)
 
@@ -731,18 +799,41 @@ def write(name: str, fig: Figure, numbers: pd.DataFrame, out: Path) -> list[Path
     return paths
 
 
+def failed_figure(name: str, err: BaseException) -> Figure:
+    """What a figure that raised is written as, so no earlier file of it passes for a current one."""
+    fig = Figure(figsize=(8, 3.2), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, f"{name} failed on this store:\n{type(err).__name__}: {err}"[:600], ha="center", va="center",
+            fontsize=7, family="monospace", transform=ax.transAxes, wrap=True)
+    return fig
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
+    """Writes every figure; one that raises is reported by name (with its traceback) and written as a panel
+    saying so, the others are still written, and the exit status is 1 at the end."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
     parser.add_argument("--out", default="figures", help="where the png/pdf/csv files go")
     parser.add_argument("--only", nargs="*", choices=sorted(FIGURES), help="a subset of the figures")
     args = parser.parse_args(argv)
     df = store.load(args.results)
-    written = []
+    written, failed = [], []
     for name in args.only or FIGURES:
-        fig, numbers = FIGURES[name](df)
-        written += write(name, fig, numbers, Path(args.out))
+        try:
+            fig, numbers = FIGURES[name](df)
+            paths = write(name, fig, numbers, Path(args.out))
+        except Exception as err:  # noqa: BLE001 -- one figure's bug must not cost the others
+            traceback.print_exc()
+            print(f"{name}: FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+            failed.append(name)
+            write(name, failed_figure(name, err), pd.DataFrame(), Path(args.out))
+            continue
+        written += paths
         print(f"{name}: {len(numbers)} plotted values -> {Path(args.out) / name}.{{png,pdf,csv}}")
+    if failed:
+        print(f"figures failed: {', '.join(failed)} (the others were written)", file=sys.stderr)
+        raise SystemExit(1)
     return written
 
 

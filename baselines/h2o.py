@@ -70,6 +70,7 @@ class H2O(KVMethod):
 
     needs_prefill_probs = True
     size_params: ClassVar[tuple[str, ...]] = ("heavy", "recent")
+    test_variants: ClassVar[tuple[dict, ...]] = ({"gqa_reduce": "max"}, {"heavy": 8, "recent": 8})
 
     def __post_init__(self):
         super().__post_init__()

@@ -131,6 +131,9 @@ class KIVI(KVMethod):
     # link is not modelled: cache_bytes has what it holds)
     offload: ClassVar[str] = "resident"
     size_params: ClassVar[tuple[str, ...]] = ("bits", "residual")
+    # the default residual (128 tokens in full precision) quantises nothing in the tests' short sequences
+    test_variants: ClassVar[tuple[dict, ...]] = (
+        {"residual": 32, "group_size": 16}, {"bits": 4, "residual": 16, "group_size": 8})
 
     bits: int = 2
     group_size: int = 32

@@ -1,6 +1,7 @@
 """Oracle top-k: the best any token selection can do at a given budget."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from infinigen.infinigen_method.selective_attention import SelectiveAttention
 
@@ -15,6 +16,8 @@ class Oracle(SelectiveAttention):
     """
 
     alpha: float = float("inf")
+
+    test_variants: ClassVar[tuple[dict, ...]] = ({"capacity": 0.7, "eviction": "lru"},)
 
     def score_queries(self, session, layer, q):
         b, h, t, d = q.shape

@@ -137,6 +137,7 @@ class Quant(KVMethod):
     group_size: int = 64
 
     size_params: ClassVar[tuple[str, ...]] = ("bits",)
+    test_variants: ClassVar[tuple[dict, ...]] = ({"bits": 2},)
 
     def __post_init__(self):
         super().__post_init__()

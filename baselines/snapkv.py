@@ -37,6 +37,9 @@ class SnapKV(KVMethod):
     offload: ClassVar[str] = "resident"  # a compressed cache that stays on the device: nothing crosses a link
     needs_prompt: ClassVar[bool] = True  # sim mode needs dense_rows > 0: the prompt it compresses
     size_params: ClassVar[tuple[str, ...]] = ("budget", "window")
+    # the default window (32) barely acts on the tests' short prompts
+    test_variants: ClassVar[tuple[dict, ...]] = (
+        {"window": 8, "budget": 0.5, "kernel": 3}, {"window": 8, "budget": 20, "pooling": "avg"})
 
     budget: int | float = 0.2
     window: int = 32

@@ -72,6 +72,9 @@ def validate_config(cfg, method) -> None:
     """What a modelled run needs besides the task: a valid hardware profile and, for a gathering method, the
     fraction of the past each layer fetches (found now, before anything runs)."""
     if needs_model(cfg.task):
+        if cfg.task.get("prompt") == "text" and cfg.model.get("random_init"):
+            raise ValueError("task.prompt=text needs a model with a tokenizer; a random_init model has none "
+                             "(use task.prompt=random or auto)")
         return
     from infinigen.offload import perf
 

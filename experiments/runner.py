@@ -15,7 +15,10 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
+import traceback
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,8 +30,63 @@ from infinigen import corpora
 
 # config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
 # the content identity of the data read from them (data_identity)
-NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress")
+NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress", "debug")
 NON_SEMANTIC_METHOD = ("calib_data_dir",)
+
+
+class UserError(ValueError):
+    """Bad input (a config value, a file, a folder, a name): run.py prints `error: <line>` and exits 2, without a
+    traceback unless debug=true or HYDRA_FULL_ERROR=1. Anything else is a bug: traceback, exit 1."""
+
+    def __init__(self, option: str, message: str):
+        self.option, self.message = option, " ".join(message.split())
+        super().__init__(self.message)
+
+    @property
+    def line(self) -> str:
+        """`<option>: <message>`, a message that starts with "<option> must ..." cut to "must ..."."""
+        word = self.option.rsplit(".", 1)[-1]
+        for head in (self.option, word):
+            rest = self.message[len(head):] if self.message.startswith(head) else ""
+            if rest.startswith((" must ", " may ")):
+                return f"{self.option}: {rest.lstrip()}"
+        return f"{self.option}: {self.message}"
+
+
+# what a check of the user's input raises (a ValueError names a bad value, an OSError a path that is not there or
+# not usable); a TypeError counts only from instantiating a config group (an unknown or mistyped argument)
+INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, store.StoreError)
+
+
+def option_of(message: str, group: str | None, cfg) -> tuple[str, str]:
+    """(option, message) for a check's message: the option is the message's first word when it names a key of
+    the config (bare, or inside `group`), else `group`."""
+    word = re.match(r"[A-Za-z_][\w.]*", message)
+    word = word.group(0).rstrip(".") if word else ""
+    option = group or "config"
+    if word and group and word.startswith(f"{group}."):
+        option = word
+    elif word and OmegaConf.select(cfg, f"{group}.{word}" if group else word, default="<absent>") != "<absent>":
+        option = f"{group}.{word}" if group else word
+    return option, message
+
+
+@contextmanager
+def user_input(group: str | None, cfg):
+    """Turns what checking `group` of the config (None = its top level) raises on bad input into a UserError."""
+    from hydra.errors import InstantiationException
+
+    try:
+        yield
+    except UserError:
+        raise
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (*INPUT_ERRORS, TypeError)):
+            raise
+        raise UserError(*option_of(str(cause), group, cfg)) from err
+    except INPUT_ERRORS as err:
+        raise UserError(*option_of(str(err), group, cfg)) from err
 
 
 def task_module(name: str):
@@ -130,6 +188,8 @@ def check_top_level(cfg: DictConfig) -> None:
     """The options of conf/config.yaml itself (the model/method/task groups are checked by their owners)."""
     if not _is_int(cfg.get("seed")):
         raise ValueError(f"seed must be an integer, got {cfg.get('seed')!r}")
+    if not isinstance(cfg.get("debug", False), bool):
+        raise ValueError(f"debug must be true or false, got {cfg.get('debug')!r}")
     if not isinstance(cfg.get("force"), bool):
         raise ValueError(f"force must be true or false, got {cfg.get('force')!r}")
     device = cfg.get("device")
@@ -169,7 +229,8 @@ def check_positions(cfg: DictConfig, module) -> None:
 
 
 def validate(cfg: DictConfig):
-    """Everything that can be checked before a model is loaded; returns (task module, method object).
+    """Everything that can be checked before a model is loaded; returns (task module, method object). Bad input
+    raises UserError naming the option.
 
     Cheapest first: top-level options, the model cfg and the task without torch, then the method's
     hyperparameters (torch and transformers' cache classes come in with the method classes) and the device."""
@@ -177,22 +238,28 @@ def validate(cfg: DictConfig):
 
     from infinigen.models import validate_model
 
-    check_top_level(cfg)
-    validate_model(cfg.model)
-    module = task_module(cfg.task.name)
-    check_positions(cfg, module)  # before the task's validate: latency's imports the runtime (torch)
-    module.validate(cfg.task, cfg.data_dir)
+    with user_input(None, cfg):
+        check_top_level(cfg)
+    with user_input("model", cfg):
+        validate_model(cfg.model)
+    with user_input("task", cfg):
+        module = task_module(cfg.task.name)
+        check_positions(cfg, module)  # before the task's validate: latency's imports the runtime (torch)
+        module.validate(cfg.task, cfg.data_dir)
     # first heavy import: the method classes bring torch and transformers' cache classes
-    method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
+    with user_input("method", cfg):
+        method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
     no_prompt = cfg.task.name == "ppl" or (cfg.task.name == "lm_eval" and cfg.task.get("protocol") == "paper")
     if method.needs_prompt and no_prompt and not cfg.task.get("dense_rows"):
-        raise ValueError(f"{type(method).__name__} compresses a prompt: task.dense_rows=0 leaves none (set "
-                         "task.dense_rows to the prompt length, or task.protocol=serving for lm_eval)")
+        raise UserError("task.dense_rows", f"{type(method).__name__} compresses a prompt: task.dense_rows=0 leaves "
+                        "none; set task.dense_rows to the prompt length, or task.protocol=serving for lm_eval")
     if hasattr(module, "validate_config"):  # what the task needs of the rest of the config (e.g. hardware)
-        module.validate_config(cfg, method)
+        with user_input("hardware" if cfg.task.get("timing") == "modelled" else "task", cfg):
+            module.validate_config(cfg, method)
     from infinigen import adapter
 
-    adapter.resolve_device(cfg.get("device"))
+    with user_input("device", cfg):
+        adapter.resolve_device(cfg.get("device"))
     return module, method
 
 
@@ -220,7 +287,8 @@ def run(cfg: DictConfig) -> dict | None:
     if store.has_run(cfg.results_dir, digest) and not cfg.force:
         print(f"[skip] config {digest} already in {cfg.results_dir} (force=true to run it again)")
         return None
-    store.check_writable(cfg.results_dir)
+    with user_input("results_dir", cfg):
+        store.check_writable(cfg.results_dir)
     with store.claim(cfg.results_dir, digest) as claimed:
         if claimed is None:
             return None
@@ -228,6 +296,111 @@ def run(cfg: DictConfig) -> dict | None:
             print(f"[skip] config {digest} already in {cfg.results_dir} (force=true to run it again)")
             return None
         return _run_claimed(cfg, module, method, digest)
+
+
+# ----------------------------------------------------------------------------------------------- run.py
+
+
+# the points of this process's sweep: (job number, overrides, outcome), outcome "ran" | "skipped" | "refused: ..."
+SWEEP: list[tuple[int, str, str]] = []
+DEBUG = False  # set by `cli`: debug=true or HYDRA_FULL_ERROR=1 on the command line
+
+
+def run_point(cfg: DictConfig) -> dict | None:
+    """run.py's job: `run`, with bad input reported on one line: a single run then exits 2; in a sweep the point
+    is recorded as refused and the sweep's other points still run (debug=true: it raises, as a bug would)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if cfg.get("debug") is True or DEBUG:
+        return run(cfg)
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    sweep = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+    point = (hydra_cfg.job.get("num", len(SWEEP)), " ".join(hydra_cfg.overrides.task)) if sweep else None
+    try:
+        row = run(cfg)
+    except UserError as err:
+        if not sweep:  # before Hydra logs "Error executing job" and re-raises it
+            print(f"error: {err.line}", file=sys.stderr)
+            raise SystemExit(2) from err
+        print(f"error: {err.line}  [point #{point[0]}: {point[1]}]", file=sys.stderr)
+        SWEEP.append((*point, f"refused: {err.line}"))
+        return None
+    if sweep:
+        SWEEP.append((*point, "ran" if row else "skipped"))
+    return row
+
+
+def sweep_summary() -> str | None:
+    """The refused points of this process's sweep (None without any), for the end of run.py's output."""
+    refused = [(num, overrides, outcome) for num, overrides, outcome in SWEEP if outcome.startswith("refused")]
+    if not refused:
+        return None
+    lines = [f"sweep: {len(refused)} of {len(SWEEP)} points refused (the others ran or were already in the store):"]
+    lines += [f"  #{num} {overrides}: {outcome.removeprefix('refused: ')}" for num, overrides, outcome in refused]
+    return "\n".join(lines)
+
+
+def hydra_error(err: BaseException) -> UserError | None:
+    """The user error behind an exception Hydra raises before a job starts (an override it cannot parse, a
+    config group option or key that does not exist, an output folder it cannot create); None for anything else."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    text = str(err)
+    if isinstance(err, OverrideParseException):
+        detail = " ".join(err.message.split("See https://")[0].split())
+        return UserError(err.override.split("=", 1)[0].lstrip("+~") or "override",
+                         f"cannot parse {err.override!r} ({detail}); write KEY=VALUE, lists as [a,b], sweeps as a,b "
+                         "(https://hydra.cc/docs/advanced/override_grammar/basic)")
+    if isinstance(err, ConfigCompositionException):
+        missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+        options = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)*)", text)
+        if missing:
+            group, name = missing.groups()
+            allowed = ", ".join(options.group(1).split()) if options else "none"
+            return UserError(group, f"no {group} named {name!r}; choose one of: {allowed}")
+        key = re.search(r"Could not (?:override|append to|delete from config\.?) '?([\w./]+)'?", text)
+        if key:
+            return UserError(key.group(1), f"{' '.join(text.split('full_key')[0].split())}; `python run.py --cfg job` "
+                             "lists the options")
+        return UserError("config", " ".join(text.split("Config search path")[0].split()))
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames or any(f.name == "run_point" for f in frames):
+        return None  # raised inside a job: the runner has classified it
+    if isinstance(err, OSError) and any(f"{os.sep}hydra{os.sep}" in f.filename for f in frames):
+        return UserError("results_dir", f"cannot create Hydra's output folder {err.filename} ({err.strerror}); choose "
+                         "a results_dir=... (or hydra.run.dir / hydra.sweep.dir) you can write")
+    if isinstance(err, ValueError) and any(part in frames[-1].filename for part in (f"{os.sep}hydra{os.sep}",
+                                                                                  f"{os.sep}omegaconf{os.sep}")):
+        return UserError("override", f"{' '.join(text.split())} (composing the config from the command line)")
+    return None
+
+
+def cli(main) -> None:
+    """run.py's `__main__`: runs the Hydra entry `main`, prints a user error as one line (exit 2) and a bug's
+    traceback (exit 1); debug=true or HYDRA_FULL_ERROR=1 shows the traceback of a user error too."""
+    global DEBUG
+    debug = DEBUG = bool(os.environ.get("HYDRA_FULL_ERROR")) or any(
+        re.fullmatch(r"\+*debug=(true|True)", a) for a in sys.argv[1:])
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report and exiting 1
+    try:
+        main()
+    except Exception as err:  # noqa: BLE001 -- classified here: one line for bad input, a traceback for a bug
+        summary = sweep_summary()
+        if summary:
+            print(summary, file=sys.stderr)
+        user = err if isinstance(err, UserError) else hydra_error(err)
+        if user is None or debug:
+            traceback.print_exc()
+            if user is not None:
+                print(f"error: {user.line}", file=sys.stderr)
+            sys.exit(2 if user is not None else 1)
+        print(f"error: {user.line}", file=sys.stderr)
+        sys.exit(2)
+    summary = sweep_summary()
+    if summary:
+        print(summary, file=sys.stderr)
+        sys.exit(2)
 
 
 def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:

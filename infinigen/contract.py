@@ -212,6 +212,9 @@ class KVMethod:
     size_params: ClassVar[tuple[str, ...]] = ()
     # a method that compresses a prompt (SnapKV) has nothing to do without one: sim mode needs dense_rows > 0
     needs_prompt: ClassVar[bool] = False
+    # settings worth testing beside the defaults (overrides of conf/method/<name>.yaml, e.g. eviction on): every
+    # method-wide test (tests/conftest.py `variants`) runs them too, so a new method's own settings need no test edit
+    test_variants: ClassVar[tuple[dict, ...]] = ()
 
     def __post_init__(self):
         check_field_types(self)

@@ -13,19 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data")
 TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-# Extra settings a method is also checked under (e.g. eviction on); {} = its conf/method defaults.
-VARIANTS = {
-    "infinigen": [{}, {"capacity": 0.8}, {"speculate_from": "block_input"}, {"speculate_from": "after_attention"},
-                  {"speculate_from": "current"}],
-    "h2o": [{}, {"gqa_reduce": "max"}, {"heavy": 8, "recent": 8}],
-    "quant": [{}, {"bits": 2}],
-    "streaming": [{}, {"recent": 32}],
-    # the defaults (pages of 16, 2 dense layers; window 32; residual 128) barely act on 72 tokens and 3 layers
-    "quest": [{}, {"page_size": 4, "skip_layers": 0},
-              {"page_size": 8, "budget": 0.4, "gqa_reduce": "sum", "skip_layers": 1}],
-    "snapkv": [{}, {"window": 8, "budget": 0.5, "kernel": 3}, {"window": 8, "budget": 20, "pooling": "avg"}],
-    "kivi": [{}, {"residual": 32, "group_size": 16}, {"bits": 4, "residual": 16, "group_size": 8}],
-}
+
+
+def method_class(name: str):
+    """The class conf/method/<name>.yaml names (imported, not instantiated)."""
+    from hydra.utils import get_class
+
+    return get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")._target_)
+
+
+def variants(name: str) -> list[dict]:
+    """The settings every method-wide test checks a method under: {} (its conf/method defaults) and the
+    `test_variants` its class declares (eviction on, other bits, ...)."""
+    return [{}, *method_class(name).test_variants]
+
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

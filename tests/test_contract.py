@@ -7,7 +7,7 @@ tokens followed by one-token decode steps through the method's cache, and report
 import pytest
 import torch
 
-from conftest import METHODS, TINY, VARIANTS, load_model, method_from_conf, sample_ids
+from conftest import METHODS, TINY, load_model, method_from_conf, sample_ids, variants
 from infinigen import modes
 
 TOL = 1e-6  # float64 log-prob agreement: a disagreement left is a logic bug, not rounding
@@ -36,9 +36,9 @@ VARIANT_MODEL = "tiny-llama-gqa"
 VARIANTS_ON_EVERY_MODEL = [{"speculate_from": "block_input"}, {"speculate_from": "after_attention"}]
 
 
-def cases(models, variants=True):
+def cases(models, with_variants=True):
     for method in METHODS:
-        for overrides in VARIANTS.get(method, [{}]) if variants else [{}]:
+        for overrides in variants(method) if with_variants else [{}]:
             on = models if not overrides or overrides in VARIANTS_ON_EVERY_MODEL else [VARIANT_MODEL]
             for model in on:
                 yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
@@ -81,7 +81,7 @@ REAL_DEFAULT_LENGTHS = (64, 16)
 # The real model at each method's defaults: the variants' logic is proven on the tiny models (same code, every
 # variant); this proves the real model's shapes (GQA 9/3, 30 layers, RoPE) and text through every method.
 @pytest.mark.slow
-@pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"], variants=False)))
+@pytest.mark.parametrize("method_name,overrides,model_name", list(cases(["smollm2-135m"], with_variants=False)))
 def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
     prompt, decoded = REAL_LENGTHS.get(method_name, REAL_DEFAULT_LENGTHS)
     check_contract(method_name, overrides, model_name, prompt, decoded, dtype=REAL_MODEL_DTYPE, tol=REAL_TOL)

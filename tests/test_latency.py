@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, random_ids, sample_ids
+from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, random_ids, sample_ids, variants
 from infinigen import modes
 from infinigen.offload.link import Link
 from infinigen.offload.runtime import OffloadRuntime, run_kind, teacher_forced_logits
@@ -23,18 +23,12 @@ from infinigen.offload.timing import Timer
 PROMPT, DECODED = 48, 24
 TOL = 2e-4  # fp32 log-prob agreement, as tests/test_contract.py
 TOL64 = 1e-5  # float64: the issue's bound; measured differences are ~1e-12
-# Every method's defaults go through the runtime on the GQA llama. Beside them, only settings that change what the
-# runtime does: the other placements of a method's KV (runtime=...), eviction from InfiniGen's pool (capacity < 1),
-# each point where a speculated selection can start its gather (speculate_from), a codec's packed rows (quant
-# bits), Quest with every layer gathering (skip_layers 0). Variants that only change a method's own decode-step
-# math (H2O/StreamingLLM budgets, KIVI/SnapKV, which stay resident) are tests/test_contract.py's.
+# Every method and each setting its class declares (`variants`: eviction from a pool, each point where a
+# speculated selection starts its gather, a codec's packed rows, Quest with every layer gathering, ...) go through
+# the runtime on the GQA llama, and the other placements of a method's KV (runtime=...).
 RUNTIME_MODEL = "tiny-llama-gqa"
 RUNTIME_VARIANTS = [("full", {}, {"runtime": "offload"}), ("h2o", {}, {"runtime": "ideal"}),
-                    ("infinigen", {}, {"runtime": "ideal"}), ("infinigen", {"capacity": 0.8}, {}),
-                    ("infinigen", {"speculate_from": "block_input"}, {}),
-                    ("infinigen", {"speculate_from": "after_attention"}, {}),
-                    ("infinigen", {"speculate_from": "current"}, {}), ("quant", {"bits": 2}, {}),
-                    ("quest", {"page_size": 4, "skip_layers": 0}, {})]
+                    ("infinigen", {}, {"runtime": "ideal"})]
 # OPT (learned positions, skew folded into W_q/W_k, its own residual layout): each kind of run once, and the
 # speculation points that read its residual stream
 OPT_CASES = [("full", {}, {}), ("offload", {}, {}), ("infinigen", {}, {}),
@@ -46,7 +40,8 @@ def case_id(method, overrides, kwargs):
 
 
 def runtime_cases():
-    cases = [(m, {}, {}, RUNTIME_MODEL) for m in METHODS] + [(*c, RUNTIME_MODEL) for c in RUNTIME_VARIANTS]
+    cases = [(m, v, {}, RUNTIME_MODEL) for m in METHODS for v in variants(m)]
+    cases += [(*c, RUNTIME_MODEL) for c in RUNTIME_VARIANTS]
     for method, overrides, kwargs, model in cases + [(*c, "tiny-opt") for c in OPT_CASES]:
         yield pytest.param(method, overrides, kwargs, model, id=f"{case_id(method, overrides, kwargs)}-{model}")
 
@@ -78,9 +73,8 @@ def test_runtime_equals_sim_float32(method):
     check_against_sim("tiny-llama-gqa", method, {}, {}, PROMPT, DECODED)
 
 
-@pytest.mark.parametrize("method,overrides", [("offload", {}), ("quant", {}), ("h2o", {}), ("streaming", {}),
-                                              ("infinigen", {}), ("infinigen", {"capacity": 0.8}), ("oracle", {}),
-                                              ("random_topk", {})])
+@pytest.mark.parametrize("method,overrides", [(m, v) for m in METHODS for v in variants(m)[:2]],
+                         ids=[f"{m}-{v or 'default'}" for m in METHODS for v in variants(m)[:2]])
 def test_cuda_code_path_on_cpu_gives_the_same_run(method, overrides):
     """What runs on CUDA, run on CPU: host work on a worker thread (futures per layer) and/or fetched rows landing
     in the alternating staging slots (the current token's row dropped into its slot, gathered rows scattered to

@@ -7,20 +7,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import METHODS, load_model, method_from_conf, random_ids
+from conftest import METHODS, load_model, method_from_conf, random_ids, variants
 from infinigen import adapter, modes
 from infinigen import contract as method_module
 
-# Settings each method is also checked under: eviction and multi-chunk state are where chunking could go wrong
-# (settings that only change values, such as quant bits, take the same path through the kernels as the defaults).
-# Every method's defaults run with dense_rows 0 and 40; the variants with a prompt (40), whose chunks stop at row
-# 40 and restart there (row_chunks), as a ppl run with dense_rows does.
-VARIANTS = {
-    "infinigen": [{"capacity": 0.8}],
-    "oracle": [{"capacity": 0.7, "eviction": "lru"}],
-    "h2o": [{"gqa_reduce": "max", "heavy": 8, "recent": 8}],
-    "streaming": [{"recent": 16}],
-}
+# Every method's defaults run with dense_rows 0 and 40; the variants its class declares (eviction on, other
+# windows and pages: where chunked state could go wrong) with a prompt (40), whose chunks stop at row 40 and
+# restart there (row_chunks), as a ppl run with dense_rows does.
 CHUNK = 16  # rows per sim chunk in these tests: the sequences below span several chunks
 # float64 model; exact's softmax runs in fp32 (as transformers' eager), fused in fp64: differences of a few 1e-6
 # were seen (3.4e-6 for quant on 80 tokens), so the tolerance leaves ~5x margin for other CPUs' rounding
@@ -31,7 +24,7 @@ def cases():
     for name in METHODS:
         for dense_rows in (0, 40):
             yield pytest.param(name, {}, dense_rows, id=f"{name}-default-{dense_rows}")
-        for overrides in VARIANTS.get(name, []):
+        for overrides in variants(name)[1:]:
             yield pytest.param(name, overrides, 40, id=f"{name}-{overrides}-40")
 
 
@@ -65,7 +58,7 @@ def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
         assert out["fused"][2] == pytest.approx(out["exact"][2], abs=1e-5)
 
 
-@pytest.mark.parametrize("method_name", ["full", "h2o", "streaming"])
+@pytest.mark.parametrize("method_name", METHODS)
 def test_chunked_sim_equals_one_chunk(method_name, monkeypatch):
     """The chunk size is not a hyperparameter: many chunks == one chunk (exact kernel, float64)."""
     model, _ = load_model("tiny-llama-gqa", "float64")
@@ -93,7 +86,7 @@ class LargestFloat(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method_name", ["full", "h2o", "infinigen", "oracle", "quant", "streaming"])
+@pytest.mark.parametrize("method_name", METHODS)
 @pytest.mark.parametrize("mode", ["sim", "decode-prefill"])
 def test_no_quadratic_float_tensor(method_name, mode, small_chunks):
     """At t = 1000 one (heads, t, t) score tensor has 6M elements; chunked attention never builds more than

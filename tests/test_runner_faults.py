@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import InstantiationException
 
 from analysis import store
 from conftest import DATA_DIR, ROOT, refuse_model_load
@@ -84,9 +83,12 @@ BAD = [  # (overrides, message); {ckpt} / {gpt2} are checkpoint folders made by 
 def test_bad_input_is_refused_by_name_before_the_model_loads(overrides, message, tmp_path, no_model_load):
     folders = {"ckpt": checkpoint(tmp_path, positions=256), "gpt2": checkpoint(tmp_path, "gpt2")}
     overrides = [o.format(**folders) for o in overrides]
-    with pytest.raises((ValueError, InstantiationException), match=message):
+    with pytest.raises(runner.UserError, match=message) as err:
         runner.run(cfg_of(overrides, tmp_path / "results"))
     assert not (tmp_path / "results").exists()  # nothing written, not even the store's folders
+    # the option it names is one the user set (or the group holding it)
+    keys = [o.split("=", 1)[0].lstrip("+") for o in overrides]
+    assert any(k == err.value.option or k.startswith(err.value.option + ".") for k in keys), err.value.option
 
 
 def test_cuda_build_is_read_without_importing_torch():
@@ -113,17 +115,49 @@ def test_local_path_wins_over_the_bundled_gguf(tmp_path):
         == (str(tmp_path), {"gguf_file": "other.gguf"})
 
 
-def test_a_bad_input_exits_non_zero_within_seconds_from_run_py(tmp_path):
-    """The whole command line, Hydra included: refused before torch is even imported. 15 s leaves CI machines
-    slack; on an idle 2-core machine this takes about a second."""
+def run_py(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args, f"data_dir={DATA_DIR}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# one of each way bad input reaches run.py: a runner check, a Hydra override it cannot parse, a config group option
+# or key that does not exist, an output folder Hydra cannot create
+CLI_BAD = [(["seed=1.5"], "seed: must be an integer, got 1.5"),
+           (["seed=["], "seed: cannot parse 'seed=['"),
+           (["method=nosuch"], "method: no method named 'nosuch'; choose one of: full, h2o,"),
+           (["task.nosuch=1"], "task.nosuch: Could not override 'task.nosuch'"),
+           (["results_dir={file}/sub"], "results_dir: cannot create Hydra's output folder")]
+
+
+@pytest.mark.parametrize("overrides,line", CLI_BAD, ids=[o[0] for o, _ in CLI_BAD])
+def test_bad_input_is_one_line_and_exit_2_from_run_py(overrides, line, tmp_path):
+    """The whole command line, Hydra included: refused before torch is even imported, as one line on stderr.
+    15 s leaves CI machines slack; on an idle 2-core machine this takes about a second."""
+    (tmp_path / "file").write_text("a file where a folder should be")
+    overrides = [o.format(file=tmp_path / "file") for o in overrides]
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY_PPL, "seed=1.5", f"results_dir={tmp_path}",
-                           f"data_dir={DATA_DIR}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_py(*TINY_PPL, f"results_dir={tmp_path / 'results'}", *overrides)
     seconds = time.perf_counter() - t0
-    assert done.returncode != 0
-    assert "seed must be an integer, got 1.5" in done.stderr
+    assert (done.returncode, done.stderr.splitlines()) == (2, [done.stderr.strip()]), done.stderr[-2000:]
+    assert done.stderr.startswith(f"error: {line}")
     assert seconds < 15, f"refusal took {seconds:.1f} s"
-    print(f"run.py refused seed=1.5 in {seconds:.2f} s")
+
+
+def test_debug_shows_the_trace_of_a_refusal(tmp_path):
+    for how in (["debug=true"], []):
+        env = os.environ | ({"HYDRA_FULL_ERROR": "1"} if not how else {})
+        done = run_py(*TINY_PPL, f"results_dir={tmp_path}", "seed=1.5", *how, env=env)
+        assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
+        assert done.stderr.strip().endswith("error: seed: must be an integer, got 1.5")
+
+
+def test_a_refused_sweep_point_does_not_stop_the_others_and_is_summed_up(tmp_path):
+    done = run_py("-m", *TINY_PPL, f"results_dir={tmp_path}", "seed=1.5,2.5,[0]")
+    refused = [line for line in done.stderr.splitlines() if line.startswith("error: seed:")]
+    assert len(refused) == 3, done.stderr[-3000:]  # the first refusal did not stop the sweep
+    summary = done.stderr[done.stderr.index("sweep: 3 of 3 points refused"):].splitlines()
+    assert [line.split(": ", 1)[0].split()[0] for line in summary[1:]] == ["#0", "#1", "#2"]
+    assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
 # ----------------------------------------------------------------------------------------------- non-finite
@@ -160,7 +194,7 @@ def test_nan_logits_exit_non_zero_naming_window_and_layer(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY_PPL, "model.arch.rope_theta=0",
                            f"results_dir={tmp_path}", f"data_dir={DATA_DIR}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    assert done.returncode != 0
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr  # not bad input: a trace
     assert "non-finite logits in window 0 (tokens 0..31), first in decoder layer 0 of 3" in done.stderr
     assert not list(store.rows_dir(tmp_path).glob("*.jsonl"))
     assert not list(store.claims_dir(tmp_path).iterdir())  # the claim was released
@@ -171,8 +205,9 @@ def test_nan_logits_exit_non_zero_naming_window_and_layer(tmp_path):
 
 def test_an_unwritable_results_dir_is_refused_before_the_model_loads(tmp_path, no_model_load):
     (tmp_path / "rows").write_text("a file where the rows folder should be")
-    with pytest.raises(store.StoreError, match="is not writable"):
+    with pytest.raises(runner.UserError, match="is not writable") as err:
         runner.run(cfg_of([], tmp_path))
+    assert err.value.option == "results_dir"
 
 
 def test_rows_that_cannot_be_written_are_kept_and_re_imported(tmp_path, monkeypatch):

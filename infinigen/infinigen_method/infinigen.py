@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 
@@ -57,6 +58,10 @@ class InfiniGen(SelectiveAttention):
     calib_tokens: int = 2048
     calib_data_dir: str | None = None
     cache_dir: str | None = ".cache/infinigen"
+
+    test_variants: ClassVar[tuple[dict, ...]] = (
+        {"capacity": 0.8}, {"speculate_from": "block_input"}, {"speculate_from": "after_attention"},
+        {"speculate_from": "current"})
 
     def __post_init__(self):
         super().__post_init__()
