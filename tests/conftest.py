@@ -25,6 +25,9 @@ VARIANTS = {
               {"page_size": 8, "budget": 0.4, "gqa_reduce": "sum", "skip_layers": 1}],
     "snapkv": [{}, {"window": 8, "budget": 0.5, "kernel": 3}, {"window": 8, "budget": 20, "pooling": "avg"}],
     "kivi": [{}, {"residual": 32, "group_size": 16}, {"bits": 4, "residual": 16, "group_size": 8}],
+    # ShadowKV's 4 local + 2 outlier chunks cover a 48-token prompt: shrink them so chunks get selected and rebuilt
+    "shadowkv": [{}, {"local": 1, "outliers": 1, "budget": 0.25}, {"chunk": 4, "rank": 8, "local": 2, "outliers": 0}],
+    "rocketkv": [{}, {"budget": 0.5, "split": 0.6, "window": 8, "kernel": 3}, {"chunk": 4, "channels": 8}],
 }
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
