@@ -80,7 +80,9 @@ def test_runtime_equals_sim_float32(method):
 
 @pytest.mark.parametrize("method,overrides", [("offload", {}), ("quant", {}), ("h2o", {}), ("streaming", {}),
                                               ("infinigen", {}), ("infinigen", {"capacity": 0.8}), ("oracle", {}),
-                                              ("random_topk", {})])
+                                              ("random_topk", {}),
+                                              ("shadowkv", {"local": 1, "outliers": 1, "budget": 0.25}),
+                                              ("rocketkv", {})])
 def test_cuda_code_path_on_cpu_gives_the_same_run(method, overrides):
     """What runs on CUDA, run on CPU: host work on a worker thread (futures per layer) and/or fetched rows landing
     in the alternating staging slots (the current token's row dropped into its slot, gathered rows scattered to
