@@ -1,10 +1,10 @@
 """Markdown tables from the results store, for the README:
 
-    python -m analysis.tables --results results --table ppl|lm_eval|accuracy|latency|eviction
+    python -m analysis.tables --results results --table ppl|lm_eval|accuracy|latency|eviction|successors
 
 One line per stored row (ppl, lm_eval: one per lm-eval task, latency), per method setting for `accuracy` (lm-eval
 acc, one column per task), or per (model, dataset) for `eviction` (InfiniGen Table 2: perplexity by KV pool
-setting). `params` lists a method's KV-size hyperparameters and any
+setting), per method setting for `successors` (its ppl and latency rows side by side). `params` lists a method's KV-size hyperparameters and any
 other hyperparameter that differs between that method's rows in the table. kv_fraction is measured (share of
 cached entries attended); rel. KV size = kv_fraction x entry size vs 16 bits (quant: bits/16); recall
 (InfiniGen / oracle) is the share of the true attention mass carried by the tokens a method fetched; byte counts appear when the task
@@ -23,7 +23,7 @@ from analysis import store
 from analysis.figures import (bytes_ratio, column, eviction_rows, metric, models_by_size, param_columns, short,
                               size_params)
 
-TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction")
+TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors")
 
 
 def key_params(df: pd.DataFrame) -> pd.Series:
@@ -171,8 +171,46 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     return ordered(wide[[*index, *tasks, "mean acc", "kv_fraction"]], ["shots", "protocol", "kv_fraction"])
 
 
+def decoded_nll(rows: pd.DataFrame) -> pd.Series:
+    """Mean NLL of the rows past the dense prompt (task.dense_rows): the buckets of metrics.nll_by_chunk that start
+    there, weighted by their size (a bucket straddling the prompt's end: NaN, never a mix)."""
+    def one(row):
+        chunks, dense = row.get("metrics.nll_by_chunk"), row.get("task_params.dense_rows")
+        if not isinstance(chunks, dict) or not dense:
+            return math.nan
+        starts = sorted(int(c) for c in chunks)
+        if dense not in starts:
+            return math.nan
+        seq_len = int(row.get("task_params.seq_len"))
+        spans = [(s, (starts[i + 1] if i + 1 < len(starts) else seq_len) - s) for i, s in enumerate(starts) if s >= dense]
+        return sum(chunks[str(s)] * n for s, n in spans) / sum(n for _, n in spans)
+    return rows.apply(one, axis=1).astype(float)
+
+
+def successors_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One line per method setting: its perplexity run (ppl over every row and over the decoded rows only,
+    kv_fraction, recall) beside its latency run's link traffic and device-resident bytes."""
+    rows = df[df["task"].isin(["ppl", "latency"])]
+    rows = rows.assign(params=key_params(rows))
+    ppl, lat = rows[rows["task"] == "ppl"], rows[rows["task"] == "latency"]
+    left = pd.DataFrame({
+        "model": ppl["model"], "method": ppl["method"], "params": ppl["params"],
+        "prompt": metric(ppl, "dense_rows").astype("Int64"), "windows": metric(ppl, "windows").astype("Int64"),
+        "ppl": metric(ppl, "ppl"), "decoded ppl": decoded_nll(ppl).map(math.exp),
+        "kv_fraction": metric(ppl, "kv_fraction"), "recall": metric(ppl, "recall"),
+    })
+    right = pd.DataFrame({
+        "model": lat["model"], "method": lat["method"], "params": lat["params"],
+        "h2d KiB/token": metric(lat, "h2d_bytes_per_token") / 2**10,
+        "device KV MiB": metric(lat, "device_kv_bytes") / 2**20,
+        "host pool MiB": metric(lat, "host_pool_bytes") / 2**20,
+    })
+    out = left.merge(right, on=["model", "method", "params"], how="outer")
+    return ordered(out, ["method", "kv_fraction"])
+
+
 BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "accuracy": accuracy_table, "latency": latency_table,
-            "eviction": eviction_table}
+            "eviction": eviction_table, "successors": successors_table}
 TEXT = {"model", "method", "params", "dataset", "data", "task", "protocol", "device"}
 
 

@@ -236,7 +236,7 @@ def validate(cfg: DictConfig):
     hyperparameters (torch and transformers' cache classes come in with the method classes) and the device."""
     from hydra.utils import instantiate
 
-    from infinigen.models import validate_model
+    from infinigen.models import kv_shape, validate_model
 
     with user_input(None, cfg):
         check_top_level(cfg)
@@ -249,6 +249,9 @@ def validate(cfg: DictConfig):
     # first heavy import: the method classes bring torch and transformers' cache classes
     with user_input("method", cfg):
         method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
+        shape = kv_shape(cfg.model)
+        if shape is not None:
+            method.check_shape(*shape)  # hyperparameters bounded by the model's attention shape (ShadowKV's rank)
     no_prompt = cfg.task.name == "ppl" or (cfg.task.name == "lm_eval" and cfg.task.get("protocol") == "paper")
     if method.needs_prompt and no_prompt and not cfg.task.get("dense_rows"):
         raise UserError("task.dense_rows", f"{type(method).__name__} compresses a prompt: task.dense_rows=0 leaves "

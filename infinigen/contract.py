@@ -221,6 +221,10 @@ class KVMethod:
         self.stats = KVStats()
 
     # ------------------------------------------------------------------ life cycle
+    def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
+        """Refuse hyperparameters a model of this attention shape cannot take (ValueError naming the option); run
+        before the model loads where its config declares the shape (experiments/runner.py validate)."""
+
     def bind(self, session: Session) -> None:
         """Called when installed into a model (e.g. to calibrate on its weights)."""
 

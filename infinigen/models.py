@@ -74,6 +74,16 @@ def max_positions(cfg) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def kv_shape(cfg) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of a model cfg's attention, known without loading (local config.json, else `arch`);
+    None when neither says."""
+    config = local_config(cfg) or ({} if cfg.get("local_path") else dict(cfg.get("arch") or {}))
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
+    return (int(kv_heads), int(head_dim)) if kv_heads and head_dim else None
+
+
 def validate_model(cfg) -> None:
     """Checks a model cfg without touching weights (called before anything is loaded)."""
     arch = cfg.get("arch") or {}

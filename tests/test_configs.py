@@ -266,6 +266,12 @@ def test_bad_input_fails_before_any_model_load(overrides, error, match, tmp_path
     ("infinigen", ["method.partial_ratio=0"], "partial_ratio"),
     ("infinigen", ["method.budget=1.5"], "budget"),
     ("streaming", ["method.sinks=-1"], "sinks"),
+    ("shadowkv", ["method.chunk=0"], "chunk"),
+    ("shadowkv", ["method.budget=0"], "budget"),
+    ("shadowkv", ["method.budget=1.5"], "budget"),
+    ("rocketkv", ["method.budget=0"], "budget"),
+    ("rocketkv", ["method.split=1.5"], "split"),
+    ("rocketkv", ["method.chunk=0"], "chunk"),
 ])
 def test_bad_hyperparameters_fail_before_any_model_load(method, overrides, match, tmp_path):
     if not (CONF / "method" / f"{method}.yaml").is_file():
@@ -274,6 +280,18 @@ def test_bad_hyperparameters_fail_before_any_model_load(method, overrides, match
     with pytest.raises(runner.UserError, match=match) as err:
         runner.run(run_cfg([f"method={method}", *overrides], tmp_path))
     assert err.value.option == overrides[0].split("=")[0]
+
+
+@pytest.mark.parametrize("method,overrides,match", [
+    ("shadowkv", ["method.rank=129"], "rank=129 exceeds head_dim x KV heads = 32 x 4 = 128"),
+    ("rocketkv", ["method.channels=33"], "channels=33 exceeds head_dim = 32"),
+])
+def test_hyperparameters_past_the_models_shape_fail_before_any_model_load(method, overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        runner.run(run_cfg([f"method={method}", "task.dense_rows=8", *overrides], tmp_path))
+    runner_ok = run_cfg([f"method={method}", "task.dense_rows=8", "task.seq_len=64", "task.max_windows=1"], tmp_path)
+    with pytest.raises(ModelLoaded):  # the same method within the shape gets as far as the load
+        runner.run(runner_ok)
 
 
 def test_missing_data_file_fails_before_any_model_load(tmp_path):

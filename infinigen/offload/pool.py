@@ -148,6 +148,7 @@ class PoolStore(KVStore):
         self.pool, self.codec, self.evicting = pool, codec, evicting
         self.on_host = False
         self.fresh: torch.Tensor | None = None
+        self.fresh_key: torch.Tensor | None = None  # the current token's key as the layer computed it (b, h_kv, 1, d)
         self.gathered: tuple[torch.Tensor, torch.Tensor | None] | None = None  # rows (b, h_kv, k, W), valid
 
     @property
@@ -179,7 +180,7 @@ class PoolStore(KVStore):
             slot = torch.full((b, hk), n, device=key_states.device)
             self.pool.write(n, rows.reshape(1, b * hk, -1))
         self.entries["slot"] = torch.cat([self.entries["slot"], slot[..., None]], dim=-1)
-        self.fresh = rows
+        self.fresh, self.fresh_key = rows, key_states
         return key_states, value_states
 
     def _free_slot(self) -> torch.Tensor:
@@ -197,7 +198,8 @@ class PoolStore(KVStore):
         if not self.on_host:
             return super().recent_keys(n)
         assert n == 1, "after the prefill the pool takes one token per step"
-        return self.codec.decode(self.fresh)[0]  # (b, h_kv, 1, d)
+        # kept beside its row, not decoded from it: a codec may store no keys (ShadowKV's rows are values only)
+        return self.fresh_key  # (b, h_kv, 1, d)
 
     def selected(self, keep: torch.Tensor):
         if self.gathered is None:

@@ -279,7 +279,9 @@ class OffloadRuntime:
             modelled_ms=None if self.link.cuda else self.timer.modelled_steps(self.link_gbps),
             h2d_bytes=self.h2d_bytes, d2h_bytes=sum(p.d2h_bytes for p in pools),
             host_pool_bytes=sum(p.nbytes for p in pools),
-            device_kv_bytes=sum(s.nbytes() + s.entry_bytes() for s in stores) + staging,
+            # the method's own count: the KV its stores hold on the device plus its per-layer state (Quest's page
+            # min/max, ShadowKV's low-rank factors), then the per-entry bookkeeping and the landing buffers
+            device_kv_bytes=self.method.store_bytes(stores) + sum(s.entry_bytes() for s in stores) + staging,
             peak_device_bytes=peak, tallies={k: _sum(v) for k, v in self._tally.items()},
             logits=torch.stack(logits_out, dim=1) if keep_logits else None,
             tokens=torch.cat(fed, dim=1) if fed else None, fetch_log=self.fetch_log,
