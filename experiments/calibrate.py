@@ -8,6 +8,8 @@ What it measures (median of --repeats, at torch's thread count here):
   memory_gbps        1 row through the same 256 MB of weights: how a decode step streams a model
   launch_us          the offloading runtime's own decode step on a 16-wide stand-in of smollm2-135m (full
                      attention): seconds per step / ops it dispatched (dispatch + the harness's Python per op)
+  copy_gbps          the runtime's decode attention (full, real heads and head_dim, 256 vs 1024 tokens of context):
+                     the extra bytes the census counts over the extra seconds: the rate context-dependent ops reach
   gather_gbps        torch.gather of rows out of a 25 MB cache (source + index + output bytes per second)
   host_gbps          rows of a 256 MB pool gathered by index_select (bytes read + written per second)
   device_memory_gib  this machine's memory
@@ -82,6 +84,28 @@ def host_gbps(repeats: int) -> float:
     return moved / best(lambda: torch.index_select(pool, 0, idx, out=out), repeats) / 1e9
 
 
+def copy_gbps(repeats: int) -> float:
+    """The rate at which this machine gets through the bytes a decode step adds per token of context, measured on
+    the runtime's own decode attention (full attention on an 8-layer stand-in of smollm2-135m at its real heads
+    and head_dim): the extra bytes the census counts from a 256- to a 1024-token context, over the extra seconds
+    the attention segment takes. One reference workload for every method: theirs are priced at this rate."""
+    from omegaconf import OmegaConf
+
+    from baselines.full import Full
+    from infinigen.offload.census import _count
+
+    model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")
+    d = int(model_cfg.arch.head_dim)
+
+    def attention(measure: str, prompt: int) -> float:
+        runs = [_count(model_cfg, Full(), "auto", 1, 8, measure, prompt=prompt, head_dim=d)
+                for _ in range(repeats if measure == "seconds" else 1)]
+        return statistics.median(sum(layer["attention"] for layer in run) for run in runs)
+
+    extra_bytes = attention("stream", 1024) - attention("stream", 256)
+    return extra_bytes / max(attention("seconds", 1024) - attention("seconds", 256), 1e-9) / 1e9
+
+
 def gather_gbps(repeats: int) -> float:
     """torch.gather of held rows out of a (8, 3, 2048, 128) cache, priced as the census counts an op: source,
     index and output bytes."""
@@ -139,6 +163,7 @@ def calibrate(repeats: int = 5) -> dict:
         "h2d_gbps": None,
         "d2h_gbps": None,
         "launch_us": round(launch_us(repeats), 3),
+        "copy_gbps": round(copy_gbps(repeats), 3),
         "gather_gbps": round(gather_gbps(repeats), 3),
         "host_gbps": round(host_gbps(repeats), 3),
         "device_memory_gib": round(memory_gib(), 2),

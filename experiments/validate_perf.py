@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--device", default="cpu", help="cpu, or cuda with a profile of that GPU (--profile)")
     p.add_argument("--results", default=None, help="also write each point's measured and modelled rows here")
+    p.add_argument("--remodel", action="store_true",
+                   help="measure nothing: model again the measured validation rows in --results with --profile")
     args = p.parse_args(argv)
     from experiments.calibrate import steady_allocator
 
@@ -77,8 +79,7 @@ def main(argv=None) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from analysis import store
-    from experiments import latency, runner
+    from experiments import latency
     from infinigen import adapter
 
     if not Path(args.profile).is_file():
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{k}={v}" for k, v in hardware.items() if k not in ("name", "machine")), flush=True)
     print(f"{'point':<16} {'batch':>5} {'prompt':>6} {'measured':>9} {'rounds':>15} {'modelled':>9} {'ratio':>6}  "
           f"modelled terms (ms): compute / speculation / host / exposed link", flush=True)
+    if args.remodel:
+        return remodel(args, hardware, data_dir)
     model, tokenizer = adapter.load(compose("full", {}, {}, None, data_dir).model, device=args.device)
     ratios = []
     for batch in args.batches:
@@ -121,21 +124,77 @@ def main(argv=None) -> int:
                       f"{modelled['compute_ms']:.1f} / {modelled['speculation_ms']:.1f} / {modelled['host_ms']:.1f} / "
                       f"{modelled['exposed_transfer_ms']:.1f}", flush=True)
                 if args.results:
-                    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": args.device,
-                            "threads": torch.get_num_threads(), "wall_s": sum(r["wall_s"] for r in runs[name]),
-                            "host": platform.node(), "finished": datetime.now(timezone.utc).isoformat(),
-                            "random_init": False}
-                    measured.update(validation_point=name)
-                    modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"],
-                                    ratio=ratio)
-                    for c, metrics in ((cfg, measured), (mcfg, modelled)):
-                        digest = runner.config_hash(c)
-                        rows = runner.make_rows(c, method, digest, [metrics], meta)
-                        for row in rows:
-                            row["method"] = row["method_params"]["name"] = method_cfg
-                        store.append_rows(args.results, digest, rows)
+                    write_rows(args.results, cfg, mcfg, method, measured, modelled, name, ratio,
+                               sum(r["wall_s"] for r in runs[name]), args.device)
     worst = max(abs(r - 1) for r in ratios)
     print(f"# {len(ratios)} points; worst |predicted / measured - 1| = {worst:.3f}", flush=True)
+    return 0
+
+
+def write_rows(results, cfg, mcfg, method, measured, modelled, name, ratio, wall_s, device) -> None:
+    import platform
+
+    import torch
+
+    from analysis import store
+    from experiments import runner
+
+    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": device,
+            "threads": torch.get_num_threads(), "wall_s": wall_s, "host": platform.node(),
+            "finished": datetime.now(timezone.utc).isoformat(), "random_init": False}
+    measured.update(validation_point=name)
+    modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"], ratio=ratio)
+    for c, metrics in ((cfg, measured), (mcfg, modelled)):
+        digest = runner.config_hash(c)
+        rows = runner.make_rows(c, method, digest, [metrics], meta)
+        for row in rows:
+            row["method"] = row["method_params"]["name"] = POINTS[name][0]
+        store.append_rows(results, digest, rows)
+
+
+def remodel(args, hardware: dict, data_dir) -> int:
+    """The measured validation rows of args.results modelled again with the profile (modelled rows replaced)."""
+    import json
+
+    from hydra.utils import instantiate
+
+    from analysis import store
+    from analysis.store import rows_dir
+    from experiments import latency, runner
+
+    measured_rows = []
+    for path in sorted(rows_dir(args.results).glob("*.jsonl")):
+        row = json.loads(path.read_text().splitlines()[0])
+        metrics = row.get("metrics") or {}
+        if row.get("task") != "latency" or "validation_point" not in metrics:
+            continue
+        if metrics.get("timing") == "modelled":
+            path.unlink()  # replaced below
+        else:
+            measured_rows.append(row)
+    ratios = []
+    for row in sorted(measured_rows, key=lambda r: (r["metrics"]["batch_size"], r["metrics"]["prompt_len"])):
+        measured, name = row["metrics"], row["metrics"]["validation_point"]
+        task = {k: measured[k] for k in ("batch_size", "prompt_len", "gen_len")} | {"warmup": args.warmup}
+        method_cfg, overrides = POINTS[name]
+        cfg = compose(method_cfg, overrides, task, None, data_dir)
+        mcfg = compose(method_cfg, overrides, {**task, "timing": "modelled", "fetch_fraction": None}, hardware,
+                       data_dir)
+        method = instantiate(mcfg.method)
+        fractions = per_layer(measured["stats"]) if "kv_fraction" in measured["stats"].get("per_layer", {}) else None
+        modelled = latency.run_modelled(mcfg, method, fractions=fractions,
+                                        source=f"measured run of this point ({name})")
+        ratio = modelled["decode_ms_median"] / measured["decode_ms_median"]
+        ratios.append(ratio)
+        print(f"{name:<16} {task['batch_size']:>5} {task['prompt_len']:>6} {measured['decode_ms_median']:>9.1f} "
+              f"{'':>15} {modelled['decode_ms_median']:>9.1f} {ratio:>6.2f}", flush=True)
+        modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"], ratio=ratio)
+        digest = runner.config_hash(mcfg)
+        rows = runner.make_rows(mcfg, method, digest, [modelled], row["meta"])
+        for r in rows:
+            r["method"] = r["method_params"]["name"] = method_cfg
+        store.append_rows(args.results, digest, rows)
+    print(f"# {len(ratios)} points; worst |predicted / measured - 1| = {max(abs(r - 1) for r in ratios):.3f}")
     return 0
 
 

@@ -31,6 +31,7 @@ HARDWARE_FIELDS = {
     "h2d_gbps": ("GB/s, pinned host->device copies; null: the host is the device", True),
     "d2h_gbps": ("GB/s, device->host copies; null: the host is the device", True),
     "launch_us": ("microseconds per dispatched op", False),
+    "copy_gbps": ("GB/s, elementwise ops and copies on the device, bytes read + written", False),
     "gather_gbps": ("GB/s, indexed ops (gather, scatter, index_select) on the device", False),
     "host_gbps": ("GB/s, host memory copy rate of gathers", False),
     "device_memory_gib": ("GiB of device memory", False),
@@ -49,6 +50,7 @@ class Hardware:
     h2d_gbps: float | None
     d2h_gbps: float | None
     launch_us: float
+    copy_gbps: float
     gather_gbps: float
     host_gbps: float
     device_memory_gib: float
@@ -238,7 +240,10 @@ def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: i
     ctx = b * seen
 
     def seg(name: str, flops: float, weights: float) -> float:
-        return (roofline(hw, flops, weights * e + ctx * stream[name]) + ctx * indexed[name] / (hw.gather_gbps * 1e9))
+        # matmuls over the weights at the roofline; what the context adds (attention's copies, scores, the
+        # method's per-entry state) at the rate such ops reach, and indexed ops at the gather rate
+        return (roofline(hw, flops, weights * e) + ctx * stream[name] / (hw.copy_gbps * 1e9)
+                + ctx * indexed[name] / (hw.gather_gbps * 1e9))
 
     out = Segments()
     out.projections = roofline(hw, 2 * b * (q_w + kv_w), (q_w + kv_w) * e)
