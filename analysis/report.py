@@ -144,7 +144,8 @@ def load(store_dir: str | Path) -> pd.DataFrame:
 class Matched:
     rows: pd.DataFrame  # fresh rows of the section's commands
     missing: dict[str, int]  # command -> jobs without a row
-    total: int
+    total: int  # distinct configs the commands compose
+    present: int  # of those, the ones with rows
 
 
 def match(df: pd.DataFrame, commands: tuple[str, ...], jobs: Jobs) -> Matched:
@@ -156,7 +157,7 @@ def match(df: pd.DataFrame, commands: tuple[str, ...], jobs: Jobs) -> Matched:
         if absent:
             missing[command] = absent
     rows = df[df["semantic"].isin(wanted)] if not df.empty else df
-    return Matched(rows, missing, len(wanted))
+    return Matched(rows, missing, len(wanted), rows["semantic"].nunique() if not rows.empty else 0)
 
 
 def stale_rows(df: pd.DataFrame, commands: list[str], jobs: Jobs) -> list[str]:
@@ -408,7 +409,12 @@ def c3_verdict(rows: pd.DataFrame) -> list[str]:
     if numbers.empty or not (numbers["method"] == "full").any():
         return needs("ppl rows with per-chunk NLL (seq_len >= 2048) of full and the compared methods")
     full = numbers[numbers["method"] == "full"].set_index("position")["nll"]
+    mean = {m: (part.set_index("position")["nll"] - full).mean()
+            for m, part in numbers[numbers["method"] != "full"].groupby("method")}
     out = []
+    if "infinigen" in mean and "h2o" in mean:
+        out.append(f"mean NLL gap to full over the window: InfiniGen {num(mean['infinigen'])}, H2O {num(mean['h2o'])} "
+                   f"nats/token: InfiniGen's / H2O's = {num(mean['infinigen'] / mean['h2o'])}x")
     for curve, part in numbers[numbers["method"] != "full"].groupby("curve"):
         gap = part.set_index("position")["nll"] - full
         half = len(gap) // 2
@@ -488,6 +494,14 @@ def speculation_verdict(rows: pd.DataFrame) -> list[str]:
         return needs("ppl rows of full, the oracle and InfiniGen's speculate_from options")
     out = []
     gen = data[data["method"] == "infinigen"]
+    full = full_ppl(data)
+    by = gen.assign(budget=pd.to_numeric(gen["method_params.budget"]), source=gen["method_params.speculate_from"])
+    for budget, part in by.groupby("budget"):
+        ppl = part.set_index("source")["ppl"]
+        if {"previous", "block_input"} <= set(ppl.index):
+            out.append(f"at budget {num(budget)}: gap to full `block_input` {signed(ppl['block_input'] - full)}, the "
+                       f"paper's `previous` {signed(ppl['previous'] - full)}: block_input's gap / previous's = "
+                       f"{num((ppl['block_input'] - full) / (ppl['previous'] - full))}x")
     for x, gap, ref_gap, row in matched_gaps(data, "infinigen", "oracle", x="kv"):
         out.append(f"`{row['method_params.speculate_from']}` at budget {num(row['method_params.budget'])} "
                    f"(kv_fraction {num(100 * x)}%): gap to full {signed(gap)}, the oracle's at that kv_fraction "
@@ -518,7 +532,8 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
     prompt = data[F.metric(data, "dense_rows").fillna(0) > 0]
     if not prompt.empty and full_ppl(prompt) is not None:
         for x, gap, ref_gap, row in matched_gaps(prompt, "snapkv", "oracle", x="kv"):
-            out.append(f"SnapKV at budget {num(row['method_params.budget'])} with a 1024-token prompt (kv_fraction "
+            out.append(f"SnapKV at budget {num(row['method_params.budget'])} with a "
+                       f"{num(F.metric(row.to_frame().T, 'dense_rows').iloc[0], 5)}-token prompt (kv_fraction "
                        f"{num(100 * x)}%): gap to full {signed(gap)}, the oracle's there {signed(ref_gap)}: "
                        f"{num(gap / ref_gap)}x the oracle's")
     return out or needs("ppl rows of Quest, KIVI or SnapKV")
@@ -654,8 +669,8 @@ def render(section: Section, matched: Matched, out: Path, figure_dir: str) -> st
     if len(verdicts) > 1:
         lines += [f"* {v}" for v in verdicts] + [""]
     lines += ["Rows from:", "", "```bash", *section.commands, "```", ""]
-    have = matched.total - sum(matched.missing.values())
-    lines.append(f"{have} of {matched.total} configs in the store" + (f" ({provenance(rows)})." if have else "."))
+    lines.append(f"{matched.present} of {matched.total} configs in the store"
+                 + (f" ({provenance(rows)})." if matched.present else "."))
     if matched.missing:
         lines += ["", "Missing (run, then `make export report`):", ""]
         lines += [f"* {n} config(s) of `{command}`" for command, n in matched.missing.items()]
@@ -677,7 +692,10 @@ def render(section: Section, matched: Matched, out: Path, figure_dir: str) -> st
 def headline(results: dict[str, list[str]]) -> str:
     """The README's one paragraph of numbers: the first verdict of C1, C2 and the speculation finding."""
     picks = [("C1", "c1_accuracy"), ("C2", "c2_baselines"), ("speculation input", "speculation")]
-    parts = [f"{name}: {results[slug][0]}" for name, slug in picks if results.get(slug)]
+    parts = [f"{name}: {results[slug][0]}" for name, slug in picks
+             if results.get(slug) and not results[slug][0].startswith("not computed")]
+    if not parts:
+        return "No headline numbers yet: docs/store has no rows of C1, C2 or the speculation input (see docs/results.md).\n"
     return ("Headline numbers (SmolLM2-135M on a 2-core CPU, smoke-sized runs; generated by `make report` from "
             "docs/store, details in [docs/results.md](docs/results.md)): " + "; ".join(parts) + ".\n")
 
