@@ -46,7 +46,7 @@ smoke: install  ## the *_smoke presets (SMOKE=... for a subset) into results/smo
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures
 
-tables: install  ## markdown tables of the results store (README)
+tables: install  ## markdown tables of results/ (docs/results.md has them from docs/store: make report)
 	for t in ppl accuracy lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done
 
 export: install  ## copy results/ into the committed store docs/store (newest run per config, no per-prompt detail; WHERE="task=ppl ...")

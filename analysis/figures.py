@@ -343,6 +343,8 @@ def speculation_rows(df: pd.DataFrame) -> pd.DataFrame:
     others = [c for c in param_columns(gen) if c != col and c.split(".", 1)[1] not in size_params("infinigen", gen)]
     gen["group"] = gen[["setting", *others]].map(short).agg(" | ".join, axis=1)
     gen = gen[gen.groupby("group")[col].transform("nunique") >= 2]
+    if gen.empty:  # no ablation here: the empty result (the str + float labels below fail on empty columns)
+        return rows.iloc[0:0]
     refs = rows[rows["method"].isin(["full", "oracle"]) & rows["setting"].isin(gen["setting"])]
     out = pd.concat([gen, refs])
     out["ppl"] = metric(out, "ppl")

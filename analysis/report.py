@@ -417,9 +417,9 @@ def c3_verdict(rows: pd.DataFrame) -> list[str]:
                    f"nats/token: InfiniGen's / H2O's = {num(mean['infinigen'] / mean['h2o'])}x")
     for curve, part in numbers[numbers["method"] != "full"].groupby("curve"):
         gap = part.set_index("position")["nll"] - full
-        half = len(gap) // 2
-        out.append(f"{curve}: NLL gap to full {num(gap.iloc[:half].mean())} nats/token over the first half of "
-                   f"the window, {num(gap.iloc[half:].mean())} over the second ({'grows' if gap.iloc[half:].mean() > gap.iloc[:half].mean() else 'does not grow'} along the sequence)")
+        first, second = gap.iloc[:len(gap) // 2].mean(), gap.iloc[len(gap) // 2:].mean()
+        out.append(f"{curve}: NLL gap to full {num(first)} nats/token over the first half of the window, "
+                   f"{num(second)} over the second ({'grows' if second > first else 'does not grow'} along it)")
     return out
 
 
@@ -461,31 +461,47 @@ def c5_verdict(rows: pd.DataFrame) -> list[str]:
     return out
 
 
-def plateau(rows: pd.DataFrame, along: str, tolerance: float = 0.01) -> str | None:
-    data = ppl_rows(rows)
-    data = data[data["method"] == "infinigen"] if not data.empty else data
-    col = f"method_params.{along}"
-    if data.empty or col not in data or data[col].nunique() < 3:
-        return None
-    data = data.assign(x=pd.to_numeric(data[col])).sort_values("x")
-    best = data["ppl"].min()
-    first = data[data["ppl"] <= best * (1 + tolerance)].iloc[0]
-    last = data.iloc[-1]
-    return (f"{along}: perplexity within {num(100 * tolerance)}% of its best ({num(best, 4)}) from {along} = "
-            f"{num(first['x'])} on (swept {num(data['x'].min())}-{num(data['x'].max())}); kv_fraction there "
-            f"{num(100 * first['kv'])}%, at {along} = {num(last['x'])} {num(100 * last['kv'])}%")
+def plateau(rows: pd.DataFrame, along: str, tolerance: float = 0.02) -> list[str]:
+    """Per swept setting: the smallest value of `along` from which every perplexity is within `tolerance` of the
+    sweep's best, and the kv_fraction there and at the largest value."""
+    data = F.ablation_rows(rows, "ppl", along)
+    out = []
+    for curve, part in data.groupby("curve"):
+        part = part.assign(ppl=F.metric(part, "ppl"), kv=F.metric(part, "kv_fraction")).sort_values(along)
+        best = part["ppl"].min()
+        within = (part["ppl"] <= best * (1 + tolerance)).astype(int)[::-1].cummin()[::-1] == 1  # from its start on
+        last = part.iloc[-1]
+        if not within.any():
+            out.append(f"{along} ({curve}): no plateau: at {along} = {num(last[along])} perplexity is "
+                       f"{num(100 * (last['ppl'] / best - 1))}% above the sweep's best ({num(best, 4)})")
+            continue
+        first = part[within].iloc[0]
+        out.append(f"{along} ({curve}): perplexity within {num(100 * tolerance)}% of the sweep's best "
+                   f"({num(best, 4)}) from {along} = {num(first[along])} on (swept {num(part[along].min())}-"
+                   f"{num(part[along].max())}); kv_fraction {num(100 * first['kv'])}% there, "
+                   f"{num(100 * last['kv'])}% at {along} = {num(last[along])}")
+    return out
 
 
 def c6_verdict(rows: pd.DataFrame) -> list[str]:
-    out = [line for line in (plateau(rows, "alpha"), plateau(rows, "partial_ratio")) if line]
+    out = plateau(rows, "alpha") + plateau(rows, "partial_ratio")
     return out or needs("InfiniGen ppl rows over >= 3 values of alpha or partial_ratio")
 
 
 def c7_verdict(rows: pd.DataFrame) -> list[str]:
-    table = T.table(rows, "latency")
-    if table.empty:
-        return needs("latency rows")
-    return [f"{len(table)} latency rows (verdict pending the performance model's sections)"]
+    data, y = F.latency_rows(rows)
+    if y is None or not (data["method"] == "infinigen").any():
+        return needs("latency rows of InfiniGen and the baselines")
+    out = []
+    for (model, batch, prompt), part in data.groupby(["model", "batch_size", "prompt_len"]):
+        ms = part.groupby("method")[y].median()
+        if "infinigen" not in ms or len(ms) < 2:
+            continue
+        source = "; ".join(sorted(set(part["decode_source"])))
+        out.append(f"{model}, batch {num(batch)}, prompt {num(prompt, 5)} ({source}; median over a method's "
+                   f"settings): decode ms/token InfiniGen {num(ms['infinigen'])}; speed-up of InfiniGen over "
+                   + ", ".join(f"{m} {num(v / ms['infinigen'])}x" for m, v in ms.drop("infinigen").items()))
+    return out or needs("latency rows of InfiniGen and a baseline at the same batch and prompt")
 
 
 def speculation_verdict(rows: pd.DataFrame) -> list[str]:
@@ -612,7 +628,7 @@ SECTIONS: list[Section] = [
             ppl_table, c6_verdict, figure_of("fig17_ablation")),
     Section("c7_speed", "C7. Speed",
             "InfiniGen's decode is faster than full offloading, H2O and quantisation at large batches and long "
-            "prompts (paper Figs. 14-16).", LATENCY, latency_table, c7_verdict, None,
+            "prompts (paper Figs. 14-16).", LATENCY, latency_table, c7_verdict, figure_of("fig14_16_latency"),
             note="Measured CPU latencies are not the paper's setting (a GPU with the KV cache in host memory); "
                  "modelled speed rows are labelled apart in docs/speed.md."),
     Section("speculation", "Beyond the paper: the speculation input",
@@ -649,18 +665,24 @@ SECTIONS: list[Section] = [
 def provenance(rows: pd.DataFrame) -> str:
     if rows.empty:
         return ""
-    commits = sorted(set(F.column(rows, "meta.git_commit").dropna().map(lambda c: c[:7] + ("-dirty" if c.endswith("-dirty") else ""))))
-    devices = sorted(set(F.column(rows, "meta.device").astype(str) + " x " + F.column(rows, "meta.threads").astype(str) + " threads"))
-    torch = sorted(set(F.column(rows, "meta.versions").map(lambda v: v.get("torch") if isinstance(v, dict) else None).dropna()))
-    return (f"{len(rows.groupby('_file'))} runs; commit {', '.join(commits)}; device {', '.join(devices)}; "
-            f"torch {', '.join(torch)}")
+    """Runs, commits, machines, torch versions and data the rows come from."""
+    commits = sorted(set(F.column(rows, "meta.git_commit").dropna().map(
+        lambda c: c[:7] + ("-dirty" if c.endswith("-dirty") else ""))))
+    devices = sorted(set(F.column(rows, "meta.device").astype(str) + " x "
+                         + F.column(rows, "meta.threads").astype(str) + " threads"))
+    torch = sorted(set(F.column(rows, "meta.versions").map(
+        lambda v: v.get("torch") if isinstance(v, dict) else None).dropna()))
+    data = sorted(set(T.data_id(rows).dropna()))
+    runs = rows["_file"].nunique()
+    return (f"{runs} run{'s' * (runs != 1)}; commit {', '.join(commits)}; device {', '.join(devices)}; "
+            f"torch {', '.join(torch)}" + (f"; data sha256 {', '.join(data)}" if data else ""))
 
 
 def verdict(section: Section, rows: pd.DataFrame) -> list[str]:
     return (section.verdict(rows) if not rows.empty else []) or needs("rows of this section")
 
 
-def render(section: Section, matched: Matched, out: Path, figure_dir: str) -> str:
+def render(section: Section, matched: Matched, out: Path, figure_dir: str, figures: bool = True) -> str:
     rows = matched.rows
     lines = [f"## {section.title}", "", f"*Claim.* {section.claim}", ""]
     verdicts = verdict(section, rows)
@@ -679,7 +701,8 @@ def render(section: Section, matched: Matched, out: Path, figure_dir: str) -> st
     lines.append("")
     if not rows.empty:
         if section.figure is not None:
-            save(section.figure(rows), out / figure_dir / f"{section.slug}.png")
+            if figures:
+                save(section.figure(rows), out / figure_dir / f"{section.slug}.png")
             lines += [f"![{section.slug}]({figure_dir}/{section.slug}.png)", ""]
         table = section.table(rows)
         if not table.empty:
@@ -695,13 +718,14 @@ def headline(results: dict[str, list[str]]) -> str:
     parts = [f"{name}: {results[slug][0]}" for name, slug in picks
              if results.get(slug) and not results[slug][0].startswith("not computed")]
     if not parts:
-        return "No headline numbers yet: docs/store has no rows of C1, C2 or the speculation input (see docs/results.md).\n"
+        return ("No headline numbers yet: docs/store has no rows of C1, C2 or the speculation input (see "
+                "docs/results.md).\n")
     return ("Headline numbers (SmolLM2-135M on a 2-core CPU, smoke-sized runs; generated by `make report` from "
             "docs/store, details in [docs/results.md](docs/results.md)): " + "; ".join(parts) + ".\n")
 
 
 def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = None,
-           configs: str | Path | None = None) -> dict[str, list[str]]:
+           configs: str | Path | None = None, figures: bool = True) -> dict[str, list[str]]:
     """Writes <out>/results.md and <out>/report/*.png (and the composed-config cache, by default
     <out>/report/configs.json); rewrites the README's headline block when given."""
     out = Path(out)
@@ -715,7 +739,7 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     for section in SECTIONS:
         matched = match(fresh, section.commands, jobs)
         verdicts[section.slug] = verdict(section, matched.rows)
-        body.append(render(section, matched, out, "report"))
+        body.append(render(section, matched, out, "report", figures))
     summary = ["| section | verdict (first line) |", "|---|---|"]
     summary += [f"| [{s.title}](#{anchor(s.title)}) | {verdicts[s.slug][0].replace('|', '/')} |" for s in SECTIONS]
     store_name = label(store_dir)
