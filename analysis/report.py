@@ -10,18 +10,19 @@ fills it. A stored row is *stale* when its recorded config differs from what its
 method's default changed, a preset moved): it is listed with the difference and left out of every table, figure
 and verdict. The README's headline paragraph (between the `report:headline` markers) is rewritten from the same
 numbers. Output is byte-identical from run to run (sorted rows, no dates, PNG without software metadata).
+Composing every command takes Hydra ~20 s on one core; the rest (tables, figures) a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -82,35 +83,14 @@ def compose_jobs(command: str) -> list[dict]:
         return [OmegaConf.to_container(compose("config", overrides=list(job)), resolve=True) for job in batches]
 
 
-def conf_fingerprint() -> str:
-    """sha256 over conf/ (every file's path and bytes): composed configs are cached against it."""
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "conf").rglob("*.yaml")):
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+@cache
+def composed(command: str) -> tuple[str, ...]:
+    """`compose_jobs` in semantic form, once per process (Hydra takes ~0.1 s per job)."""
+    return tuple(semantic(job) for job in compose_jobs(command))
 
 
-class Jobs:
-    """Today's composed configs of the report's commands (semantic form), cached in a JSON file keyed by the
-    fingerprint of conf/: composing costs Hydra ~0.1-1 s per job, so an unchanged conf/ reuses the file, and any
-    change to conf/ composes every command again (which is what finds stale rows)."""
-
-    def __init__(self, path: Path | None):
-        self.path, self.fingerprint = path, conf_fingerprint()
-        cached = json.loads(path.read_text()) if path is not None and path.exists() else {}
-        self.cached = cached.get("commands", {}) if cached.get("fingerprint") == self.fingerprint else {}
-        self.used: dict[str, list[str]] = {}
-
-    def __call__(self, command: str) -> list[dict]:
-        if command not in self.used:
-            self.used[command] = self.cached.get(command) or [semantic(job) for job in compose_jobs(command)]
-        return [json.loads(text) for text in self.used[command]]
-
-    def save(self) -> None:
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            body = {"fingerprint": self.fingerprint, "commands": dict(sorted(self.used.items()))}
-            self.path.write_text(json.dumps(body, indent=0, sort_keys=True) + "\n")
+def jobs(command: str) -> list[dict]:
+    return [json.loads(text) for text in composed(command)]
 
 
 def flat(value, prefix: str = "") -> dict:
@@ -148,10 +128,10 @@ class Matched:
     present: int  # of those, the ones with rows
 
 
-def match(df: pd.DataFrame, commands: tuple[str, ...], jobs: Jobs) -> Matched:
+def match(df: pd.DataFrame, commands: tuple[str, ...]) -> Matched:
     wanted, missing = set(), {}
     for command in commands:
-        keys = {semantic(job) for job in jobs(command)}
+        keys = set(composed(command))
         wanted |= keys
         absent = len(keys - set(df["semantic"])) if not df.empty else len(keys)
         if absent:
@@ -160,7 +140,7 @@ def match(df: pd.DataFrame, commands: tuple[str, ...], jobs: Jobs) -> Matched:
     return Matched(rows, missing, len(wanted), rows["semantic"].nunique() if not rows.empty else 0)
 
 
-def stale_rows(df: pd.DataFrame, commands: list[str], jobs: Jobs) -> list[str]:
+def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
     """One line per stored run that no command composes today, with its difference from the nearest job."""
     every = [(command, job) for command in commands for job in jobs(command)]
     known = {semantic(job) for _, job in every}
@@ -506,8 +486,8 @@ def c7_verdict(rows: pd.DataFrame) -> list[str]:
 
 def speculation_verdict(rows: pd.DataFrame) -> list[str]:
     data = ppl_rows(rows)
-    if data.empty or full_ppl(data) is None or not (data["method"] == "oracle").any():
-        return needs("ppl rows of full, the oracle and InfiniGen's speculate_from options")
+    if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
+        return needs("ppl rows of full and InfiniGen's speculate_from options")
     out = []
     gen = data[data["method"] == "infinigen"]
     full = full_ppl(data)
@@ -522,11 +502,13 @@ def speculation_verdict(rows: pd.DataFrame) -> list[str]:
         out.append(f"`{row['method_params.speculate_from']}` at budget {num(row['method_params.budget'])} "
                    f"(kv_fraction {num(100 * x)}%): gap to full {signed(gap)}, the oracle's at that kv_fraction "
                    f"{signed(ref_gap)}: InfiniGen's gap / the oracle's = {num(gap / ref_gap)}x")
-    outside = len(gen) - len(out)
-    if outside:
+    outside = len(gen) - len(matched_gaps(data, "infinigen", "oracle", x="kv"))
+    if not (data["method"] == "oracle").any():
+        out.append("no oracle rows: the matched comparison needs them (the second command below)")
+    elif outside:
         out.append(f"{outside} InfiniGen setting(s) lie outside the oracle's measured kv_fraction range (no matched "
                    "comparison)")
-    return out
+    return out or needs("InfiniGen rows of two speculate_from options at one budget")
 
 
 def others_verdict(rows: pd.DataFrame) -> list[str]:
@@ -654,8 +636,9 @@ SECTIONS: list[Section] = [
             "What a perplexity run costs per method in sim mode (all rows of a window in one forward), relative to "
             "full attention: wall time less the model load, per window.",
             COMPARED + OTHERS[:3], sim_cost, cost_verdict, lambda rows: cost_bars(rows, "sim-mode cost per window"),
-            note="One run per setting on a 2-core CPU shared with other jobs (the rows' meta.threads, meta.device): "
-                 "ratios are indicative; `make bench` measures them in one quiet process."),
+            note="Wall time as the rows record it (meta.wall_s - meta.load_s), one run per setting. The committed "
+                 "rows ran on a 2-core CPU shared with other jobs, which at times paused them: their ratios say "
+                 "little about cost. `make bench` measures it in one quiet process (docs/scaling.md)."),
 ]
 
 
@@ -725,19 +708,17 @@ def headline(results: dict[str, list[str]]) -> str:
 
 
 def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = None,
-           configs: str | Path | None = None, figures: bool = True) -> dict[str, list[str]]:
-    """Writes <out>/results.md and <out>/report/*.png (and the composed-config cache, by default
-    <out>/report/configs.json); rewrites the README's headline block when given."""
+           figures: bool = True) -> dict[str, list[str]]:
+    """Writes <out>/results.md and <out>/report/*.png; rewrites the README's headline block when given."""
     out = Path(out)
     df = load(store_dir)
     verdicts: dict[str, list[str]] = {}
     commands = list(dict.fromkeys(c for s in SECTIONS for c in s.commands))
-    jobs = Jobs(Path(configs) if configs else out / "report" / "configs.json")
-    stale = stale_rows(df, commands, jobs)
+    stale = stale_rows(df, commands)
     fresh = df[~df["_file"].isin({line.split("`")[1] for line in stale})] if stale else df
     body = []
     for section in SECTIONS:
-        matched = match(fresh, section.commands, jobs)
+        matched = match(fresh, section.commands)
         verdicts[section.slug] = verdict(section, matched.rows)
         body.append(render(section, matched, out, "report", figures))
     summary = ["| section | verdict (first line) |", "|---|---|"]
@@ -757,7 +738,6 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     ]
     text = "\n".join(head + body).rstrip() + "\n"
     (out / "results.md").write_text(text)
-    jobs.save()
     if readme is not None:
         update_readme(Path(readme), headline(verdicts))
     return verdicts
