@@ -278,6 +278,10 @@ def accuracy_table(rows: pd.DataFrame) -> pd.DataFrame:
     return out.drop(columns=[c for c in ("model", "protocol") if c in out.columns])
 
 
+def ppl_and_accuracy(rows: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([ppl_table(rows), accuracy_table(rows)], ignore_index=True)
+
+
 def nll_table(rows: pd.DataFrame) -> pd.DataFrame:
     _, numbers = F.fig12_ppl_position(rows)
     if numbers.empty:
@@ -331,14 +335,15 @@ def c1_verdict(rows: pd.DataFrame) -> list[str]:
     if full is None or gen.empty:
         out += needs("WikiText-2 ppl rows of full and InfiniGen")
     else:
-        above = gen[gen["kv"] >= 0.10]
-        if above.empty:
-            out.append(f"InfiniGen reached no kv_fraction >= 10% (largest {num(100 * gen['kv'].max())}%)")
-        else:
-            worst = above.loc[(above["ppl"] / full).idxmax()]
-            out.append(f"WikiText-2 perplexity, InfiniGen at measured kv_fraction >= 10% ({len(above)} settings): "
-                       f"at most {num(100 * (worst['ppl'] / full - 1))}% above full's {num(full, 4)} "
-                       f"(worst: {num(worst['ppl'], 4)} at kv_fraction {num(100 * worst['kv'])}%)")
+        for curve, part in gen.groupby("curve"):
+            above = part[part["kv"] >= 0.10]
+            if above.empty:
+                out.append(f"{curve}: no kv_fraction >= 10% (largest {num(100 * part['kv'].max())}%)")
+                continue
+            worst = above.loc[above["ppl"].idxmax()]
+            out.append(f"WikiText-2 perplexity, {curve} at measured kv_fraction >= 10% ({len(above)} budgets): at "
+                       f"most {num(100 * (worst['ppl'] / full - 1))}% above full's {num(full, 4)} (worst: "
+                       f"{num(worst['ppl'], 4)} at kv_fraction {num(100 * worst['kv'])}%)")
     acc = T.table(rows, "accuracy")
     if acc.empty:
         return out + needs("lm-eval accuracy rows")
@@ -354,15 +359,15 @@ def c1_verdict(rows: pd.DataFrame) -> list[str]:
 
 
 def matched_gaps(data: pd.DataFrame, method: str, reference: str, x: str = "rel_kv") -> list[tuple]:
-    """(x, method's ppl gap to full, reference's gap interpolated at that x) for each row of `method` inside the
-    reference's measured range."""
+    """(x, method's ppl gap to full, reference's gap interpolated at that x, the method's row, the reference's
+    curve) for each row of `method` inside the measured range of a curve of `reference`."""
     full = full_ppl(data)
-    ref = data[data["method"] == reference]
     out = []
-    for _, row in data[data["method"] == method].sort_values(x).iterrows():
-        at = interpolate(ref, x, "ppl", row[x])
-        if at is not None:
-            out.append((row[x], row["ppl"] - full, at - full, row))
+    for ref_curve, ref in data[data["method"] == reference].groupby("curve"):
+        for _, row in data[data["method"] == method].sort_values([x, "curve"]).iterrows():
+            at = interpolate(ref, x, "ppl", row[x])
+            if at is not None:
+                out.append((row[x], row["ppl"] - full, at - full, row, ref_curve))
     return out
 
 
@@ -371,14 +376,21 @@ def c2_verdict(rows: pd.DataFrame) -> list[str]:
     if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
         return needs("WikiText-2 ppl rows of full, InfiniGen, H2O and quant")
     out = []
-    for x, gap, ref_gap, _ in matched_gaps(data, "infinigen", "h2o"):
-        out.append(f"at relative KV size {num(100 * x)}% (InfiniGen's measured): perplexity gap to full "
+    for x, gap, ref_gap, row, _ in matched_gaps(data, "infinigen", "h2o"):
+        out.append(f"at relative KV size {num(100 * x)}% ({row['curve']}, measured): perplexity gap to full "
                    f"InfiniGen {signed(gap)}, H2O {signed(ref_gap)} (interpolated): H2O's gap / InfiniGen's = "
                    f"{num(ref_gap / gap)}x")
-    for x, gap, ref_gap, row in matched_gaps(data, "quant", "infinigen"):
+    for x, gap, ref_gap, row, curve in matched_gaps(data, "quant", "infinigen"):
         out.append(f"at relative KV size {num(100 * x)}% ({num(row['method_params.bits'])}-bit quant): gap to full "
-                   f"quant {signed(gap)}, InfiniGen {signed(ref_gap)} (interpolated): quant's gap / InfiniGen's = "
+                   f"quant {signed(gap)}, {curve} {signed(ref_gap)} (interpolated): quant's gap / InfiniGen's = "
                    f"{num(gap / ref_gap)}x")
+    gen = data[data["method"] == "infinigen"]
+    for _, row in data[data["method"] == "quant"].iterrows():  # outside InfiniGen's range: its nearest point
+        if not any(m[3].name == row.name for m in matched_gaps(data, "quant", "infinigen")):
+            near = gen.loc[(gen["rel_kv"] - row["rel_kv"]).abs().idxmin()]
+            out.append(f"{num(row['method_params.bits'])}-bit quant at relative KV size {num(100 * row['rel_kv'])}%: "
+                       f"gap to full {signed(row['ppl'] - full_ppl(data))}; nearest InfiniGen point ({near['curve']}"
+                       f", {num(100 * near['rel_kv'])}%): {signed(near['ppl'] - full_ppl(data))}")
     if not out:
         out.append("no InfiniGen point lies inside H2O's or quant's measured KV-size range (widen the budgets)")
     return out
@@ -498,7 +510,7 @@ def speculation_verdict(rows: pd.DataFrame) -> list[str]:
             out.append(f"at budget {num(budget)}: gap to full `block_input` {signed(ppl['block_input'] - full)}, the "
                        f"paper's `previous` {signed(ppl['previous'] - full)}: block_input's gap / previous's = "
                        f"{num((ppl['block_input'] - full) / (ppl['previous'] - full))}x")
-    for x, gap, ref_gap, row in matched_gaps(data, "infinigen", "oracle", x="kv"):
+    for x, gap, ref_gap, row, _ in matched_gaps(data, "infinigen", "oracle", x="kv"):
         out.append(f"`{row['method_params.speculate_from']}` at budget {num(row['method_params.budget'])} "
                    f"(kv_fraction {num(100 * x)}%): gap to full {signed(gap)}, the oracle's at that kv_fraction "
                    f"{signed(ref_gap)}: InfiniGen's gap / the oracle's = {num(gap / ref_gap)}x")
@@ -517,7 +529,7 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
         return needs("ppl rows of full and the compared methods")
     out = []
     plain = data[F.metric(data, "dense_rows").fillna(0) == 0]
-    for x, gap, ref_gap, row in matched_gaps(plain, "quest", "oracle", x="kv"):
+    for x, gap, ref_gap, row, _ in matched_gaps(plain, "quest", "oracle", x="kv"):
         out.append(f"Quest at budget {num(row['method_params.budget'])} (kv_fraction {num(100 * x)}%): gap to "
                    f"full {signed(gap)}, the oracle's there {signed(ref_gap)}: {num(gap / ref_gap)}x the oracle's")
     for bits in (2, 4):
@@ -529,7 +541,7 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
                        f"{signed(quant['ppl'].iloc[0] - full)}")
     prompt = data[F.metric(data, "dense_rows").fillna(0) > 0]
     if not prompt.empty and full_ppl(prompt) is not None:
-        for x, gap, ref_gap, row in matched_gaps(prompt, "snapkv", "oracle", x="kv"):
+        for x, gap, ref_gap, row, _ in matched_gaps(prompt, "snapkv", "oracle", x="kv"):
             out.append(f"SnapKV at budget {num(row['method_params.budget'])} with a "
                        f"{num(F.metric(row.to_frame().T, 'dense_rows').iloc[0], 5)}-token prompt (kv_fraction "
                        f"{num(100 * x)}%): gap to full {signed(gap)}, the oracle's there {signed(ref_gap)}: "
@@ -566,6 +578,7 @@ def cost_verdict(rows: pd.DataFrame) -> list[str]:
 
 COMPARED = (f"{PPL} method=full",
             f"{PPL} method=infinigen method.budget=0.1,0.2",
+            "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_previous",
             f"{PPL} +point=h2o_0.0625,h2o_0.1",
             f"{PPL} method=quant method.bits=2,4")
 OTHERS = (f"{PPL} method=oracle method.budget=0.1,0.2",
@@ -584,11 +597,14 @@ SECTIONS: list[Section] = [
             "InfiniGen keeps accuracy within a small margin of full attention once it fetches more than about 10% "
             "of the KV cache (paper Fig. 11).",
             ("python run.py -m +experiment=fig11_accuracy_smoke +point=full,h2o_0.0625,quant_2,infinigen_a5_b0.2,"
-             "infinigen_a7_b0.6", *COMPARED[:2]),
-            accuracy_table, c1_verdict, figure_of("fig11_accuracy")),
+             "infinigen_a7_b0.6", *COMPARED[:3]),
+            ppl_and_accuracy, c1_verdict, figure_of("fig11_accuracy")),
     Section("c2_baselines", "C2. Better than H2O and quantisation at small KV budgets",
             "At the same (small) relative KV cache size InfiniGen loses less than H2O's eviction and low-bit KV "
-            "quantisation (paper Fig. 11). Compared here on WikiText-2 perplexity at the measured relative KV size.",
+            "quantisation (paper Fig. 11). Compared here on WikiText-2 perplexity at the measured relative KV size, "
+            "InfiniGen at two settings: conf/method/infinigen.yaml's (the paper's OPT values: alpha 4, partial "
+            "ratio 0.2, skip_layers 1) and the Llama-family one of point speculate_previous (alpha 8, partial ratio "
+            "0.5, skip_layers 2).",
             COMPARED, ppl_table, c2_verdict, lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size")),
     Section("c3_position", "C3. Perplexity along the sequence",
             "InfiniGen's loss stays close to full attention's along the whole sequence, while H2O's drifts (paper "
@@ -598,8 +614,7 @@ SECTIONS: list[Section] = [
             "Skewing the query/key weights concentrates the attention scores in few columns, so the partial "
             "weights speculate better (paper Fig. 13).",
             (SKEW_PPL, "python run.py -m +experiment=fig13_skew_smoke"),
-            lambda rows: pd.concat([ppl_table(rows), accuracy_table(rows)], ignore_index=True),
-            c4_verdict, figure_of("fig13_skew")),
+            ppl_and_accuracy, c4_verdict, figure_of("fig13_skew")),
     Section("c5_eviction", "C5. Eviction policies for a capped KV pool",
             "With the KV pool capped at 80% of the sequence, the counter-based policy loses least (paper Table 2).",
             ("python run.py -m +experiment=table2_eviction_smoke task.seq_len=512",),
@@ -626,7 +641,7 @@ SECTIONS: list[Section] = [
             "oracle's exact top-k at a matched kv_fraction, KIVI's per-channel keys against per-token quantisation "
             "at the same bits. SnapKV compresses a prompt: its rows (and their full / oracle / Quest references) "
             "treat the first 512 tokens as the prompt (task.dense_rows=512).",
-            (COMPARED[0], *OTHERS, COMPARED[3]), ppl_table, others_verdict,
+            (COMPARED[0], *OTHERS, COMPARED[4]), ppl_table, others_verdict,
             lambda rows: ppl_vs_kv(rows, "Quest, SnapKV, KIVI: perplexity vs relative KV size")),
     Section("long_context", "Beyond the paper: long context and needle retrieval",
             "Pass-key retrieval through the method's decode-mode cache: query-aware selection keeps a needle that "
