@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench sweep smoke figures tables calibrate validate-perf clean
+.PHONY: help install run test test-fast bench sweep smoke figures tables calibrate validate-perf export report clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -52,8 +52,14 @@ validate-perf: calibrate  ## the performance model's predicted vs measured decod
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures
 
-tables: install  ## markdown tables of the results store (README)
+tables: install  ## markdown tables of results/ (docs/results.md has them from docs/store: make report)
 	for t in ppl accuracy lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done
+
+export: install  ## copy results/ into the committed store docs/store (newest run per config, no per-prompt detail; WHERE="task=ppl ...")
+	$(PY) -m analysis.store export --results results --to docs/store $(if $(WHERE),--where $(WHERE))
+
+report: install  ## docs/results.md + docs/report/*.png + the README headline from docs/store only (offline, seconds)
+	$(PY) -m analysis.report --store docs/store --out docs --readme README.md
 
 clean:  ## remove caches (never results/)
 	rm -rf .pytest_cache .cache **/__pycache__

@@ -1,0 +1,793 @@
+"""The reproduction report: docs/results.md and the figures it links, from the committed store alone.
+
+    python -m analysis.report --store docs/store --out docs     # = make report (offline, seconds)
+
+One section per claim of the InfiniGen paper (C1-C7) and per finding beyond it. A section is declared in
+`SECTIONS`: the commands whose rows it shows (`python run.py ...`, expanded exactly as Hydra's sweeper would),
+a table, a figure (a function of analysis/figures.py, or one of this module) and a verdict computed from its rows.
+Every number in the report comes from the store; a config missing from the store is named with the command that
+fills it. A stored row is *stale* when its recorded config differs from what its command composes today (a
+method's default changed, a preset moved): it is listed with the difference and left out of every table, figure
+and verdict. The README's headline paragraph (between the `report:headline` markers) is rewritten from the same
+numbers. Output is byte-identical from run to run (sorted rows, no dates, PNG without software metadata).
+Composing every command takes Hydra ~20 s on one core; the rest (tables, figures) a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from analysis import figures as F
+from analysis import store
+from analysis import tables as T
+from experiments.runner import NON_SEMANTIC, NON_SEMANTIC_METHOD
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADLINE = re.compile(r"(<!-- report:headline -->\n)(.*?)(<!-- /report:headline -->)", re.DOTALL)
+# the perplexity setting of the comparisons: one 1024-token WikiText-2 window (what a shared 2-core CPU affords)
+PPL = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_windows=1"
+SKEW_PPL = f"{PPL} +point=infinigen_a99_b0.2_p0.1,infinigen_a99_b0.2_p0.1_noskew"
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+def semantic(config: dict) -> str:
+    """What a run computes, as text: the config without locations and bookkeeping (the runner's config hash
+    without the data identity, which needs the data folder)."""
+    out = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
+    out["method"] = {k: v for k, v in out.get("method", {}).items() if k not in NON_SEMANTIC_METHOD}
+    return json.dumps(out, sort_keys=True, default=str)
+
+
+def overrides_of(command: str) -> tuple[list[str], bool]:
+    """The Hydra overrides of a `python run.py [-m] ...` command line, and whether it sweeps (-m)."""
+    words = shlex.split(command)
+    if words[:2] != ["python", "run.py"]:
+        raise ValueError(f"a section command starts with `python run.py`, got {command!r}")
+    words = words[2:]
+    multirun = any(w in ("-m", "--multirun") for w in words)
+    return [w for w in words if w not in ("-m", "--multirun")], multirun
+
+
+def compose_jobs(command: str) -> list[dict]:
+    """The config of every job the command runs today, as run.py composes it (sweeps expanded as Hydra's basic
+    sweeper does: the preset's hydra.sweeper.params, then the command line)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    overrides, multirun = overrides_of(command)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        batches = [overrides]
+        if multirun:
+            hydra_cfg = GlobalHydra.instance().hydra.compose_config(
+                "config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True).hydra
+            params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
+            parsed = OverridesParser.create().parse_overrides(params + overrides)
+            batches = BasicSweeper.split_arguments(parsed, None)[0]
+        return [OmegaConf.to_container(compose("config", overrides=list(job)), resolve=True) for job in batches]
+
+
+@cache
+def composed(command: str) -> tuple[str, ...]:
+    """`compose_jobs` in semantic form, once per process (Hydra takes ~0.1 s per job)."""
+    return tuple(semantic(job) for job in compose_jobs(command))
+
+
+def jobs(command: str) -> list[dict]:
+    return [json.loads(text) for text in composed(command)]
+
+
+def flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def difference(row_config: dict, job: dict) -> list[str]:
+    """The leaves where a row's recorded config and today's composed config differ."""
+    row, now = flat(json.loads(semantic(row_config))), flat(json.loads(semantic(job)))
+    return [f"{k}: row {row.get(k, '(absent)')!r}, now {now.get(k, '(absent)')!r}"
+            for k in sorted(set(row) | set(now)) if row.get(k, "(absent)") != now.get(k, "(absent)")]
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+
+def load(store_dir: str | Path) -> pd.DataFrame:
+    """The store's rows with `semantic` (the key rows are matched on) and `config` (the recorded config)."""
+    df = store.load(store_dir, strict=True)
+    if df.empty:
+        return df.assign(semantic=pd.Series(dtype=object), config=pd.Series(dtype=object))
+    configs = [{c.split(".", 1)[1]: row[c] for c in df.columns if c.startswith("config.")}
+               for _, row in df.iterrows()]
+    df = df.assign(config=configs, semantic=[semantic(c) for c in configs])
+    return df.sort_values(["_file", "metrics.task"] if "metrics.task" in df else ["_file"]).reset_index(drop=True)
+
+
+@dataclass
+class Matched:
+    rows: pd.DataFrame  # fresh rows of the section's commands
+    missing: dict[str, int]  # command -> jobs without a row
+    total: int  # distinct configs the commands compose
+    present: int  # of those, the ones with rows
+
+
+def match(df: pd.DataFrame, commands: tuple[str, ...]) -> Matched:
+    wanted, missing = set(), {}
+    for command in commands:
+        keys = set(composed(command))
+        wanted |= keys
+        absent = len(keys - set(df["semantic"])) if not df.empty else len(keys)
+        if absent:
+            missing[command] = absent
+    rows = df[df["semantic"].isin(wanted)] if not df.empty else df
+    return Matched(rows, missing, len(wanted), rows["semantic"].nunique() if not rows.empty else 0)
+
+
+def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
+    """One line per stored run that no command composes today, with its difference from the nearest job."""
+    every = [(command, job) for command in commands for job in jobs(command)]
+    known = {semantic(job) for _, job in every}
+    lines = []
+    for name, rows in df[~df["semantic"].isin(known)].groupby("_file", sort=True):
+        config = rows.iloc[0]["config"]
+        near = [(difference(config, job), command) for command, job in every
+                if job.get("model", {}).get("name") == config.get("model", {}).get("name")
+                and job.get("task", {}).get("name") == config.get("task", {}).get("name")
+                and job.get("method", {}).get("_target_") == config.get("method", {}).get("_target_")]
+        if near:
+            diff, command = min(near, key=lambda d: len(d[0]))
+            lines.append(f"* `{name}` ({rows.iloc[0]['method']}): differs from today's config of `{command}` in "
+                         + "; ".join(f"`{d}`" for d in diff[:6]) + (" ..." if len(diff) > 6 else ""))
+        else:
+            lines.append(f"* `{name}` ({rows.iloc[0]['method']}, {rows.iloc[0]['task']}): no command of this report "
+                         "produces it (add its command to a section of analysis/report.py, or drop it from the store)")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- numbers
+
+
+def num(x: float, digits: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+
+
+def signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def ppl_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """ppl rows with ppl, kv (measured kv_fraction), rel_kv (x bytes per entry vs 16 bits) and a curve label."""
+    out = F.with_kv(F.of_task(rows, "ppl"))
+    if out.empty:
+        return out.assign(ppl=[], kv=[], rel_kv=[], curve=[])
+    out["ppl"] = F.metric(out, "ppl")
+    out["rel_kv"] = out["kv_pct"] / 100
+    out["kv"] = out["rel_kv"] / F.bytes_ratio(out)
+    out["curve"] = F.curve_labels(out, F.size_params)
+    return out
+
+
+def interpolate(points: pd.DataFrame, x: str, y: str, at: float) -> float | None:
+    """y at x = at, linear between the two neighbouring points; None outside the measured range."""
+    points = points.dropna(subset=[x, y]).sort_values(x)
+    xs, ys = points[x].to_list(), points[y].to_list()
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= at <= x1 and x1 > x0:
+            return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    return ys[xs.index(at)] if at in xs else None
+
+
+def full_ppl(rows: pd.DataFrame) -> float | None:
+    full = rows[rows["method"] == "full"]
+    return float(full["ppl"].iloc[0]) if not full.empty else None
+
+
+def needs(what: str) -> list[str]:
+    return [f"not computed: the store has no {what} (run the commands below)"]
+
+
+# ----------------------------------------------------------------------------------------------- figures
+
+
+def save(fig: Figure, path: Path) -> None:
+    """PNG without the software/version text, so the bytes depend on the data and matplotlib's drawing only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+
+
+def ppl_vs_kv(rows: pd.DataFrame, title: str) -> Figure:
+    """Perplexity vs measured relative KV size, one line per method setting, full attention dashed."""
+    data = ppl_rows(rows)
+    panels = sorted(data.assign(panel=data["model"] + " / " + F.column(data, "task_params.dataset").astype(str)
+                                + " / " + F.metric(data, "windows").map(lambda v: f"{v:.0f}") + " x "
+                                + F.metric(data, "seq_len").map(lambda v: f"{v:.0f}") + " tokens, dense_rows "
+                                + F.metric(data, "dense_rows").fillna(0).map(lambda v: f"{v:.0f}"))
+                    .groupby("panel"), key=lambda p: p[0])
+    fig, axes = F.grid(len(panels), cols=2, size=(6.0, 3.8))
+    for ax, (panel, part) in zip(axes, panels):
+        for value in part.loc[part["method"] == "full", "ppl"].unique():
+            ax.axhline(value, color="black", linestyle="--", linewidth=1, label="full")
+        F.draw_curves(ax, part[part["method"] != "full"], "kv_pct", "ppl")
+        ax.set_yscale("log")
+        ax.set(xlabel="relative KV cache size (%, measured)", ylabel="perplexity (log scale)")
+        ax.set_title(panel, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(title)
+    return fig
+
+
+def cost_bars(rows: pd.DataFrame, title: str) -> Figure:
+    data = sim_cost(rows)
+    fig, axes = F.grid(1, size=(7.5, 3.6))
+    data = data.sort_values("x full")
+    axes[0].barh(range(len(data)), data["x full"], color=[F.color(m) for m in data["method"]])
+    axes[0].set_yticks(range(len(data)), [f"{m} ({p})" if p else m for m, p in zip(data["method"], data["params"])],
+                       fontsize=7)
+    axes[0].axvline(1.0, color="black", linestyle="--", linewidth=1)
+    axes[0].set_xlabel("seconds per window / full's (shared 2-core CPU, one run each)")
+    axes[0].grid(alpha=0.3, axis="x")
+    fig.suptitle(title)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class Section:
+    slug: str
+    title: str
+    claim: str  # what the paper (or the finding) says, in words
+    commands: tuple[str, ...]
+    table: Callable[[pd.DataFrame], pd.DataFrame]
+    verdict: Callable[[pd.DataFrame], list[str]]
+    figure: Callable[[pd.DataFrame], Figure] | None = None
+    note: str = ""
+
+
+def figure_of(name: str) -> Callable[[pd.DataFrame], Figure]:
+    """A figure of analysis/figures.py (its numbers are in the section's table)."""
+    return lambda rows: F.FIGURES[name](rows)[0]
+
+
+def ppl_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = T.table(rows, "ppl")
+    return out.drop(columns=[c for c in out.columns if c.endswith("(MiB)") or c in ("data", "model")])
+
+
+def accuracy_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = T.table(rows, "accuracy")
+    return out.drop(columns=[c for c in ("model", "protocol") if c in out.columns])
+
+
+def ppl_and_accuracy(rows: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([ppl_table(rows), accuracy_table(rows)], ignore_index=True)
+
+
+def nll_table(rows: pd.DataFrame) -> pd.DataFrame:
+    _, numbers = F.fig12_ppl_position(rows)
+    if numbers.empty:
+        return numbers
+    wide = numbers.pivot_table(index="position", columns="curve", values="nll").reset_index()
+    wide.columns.name = None
+    return wide.rename(columns={"position": "chunk start"})
+
+
+def eviction_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = T.table(rows, "eviction")
+    return out.drop(columns=[c for c in ("model",) if c in out.columns])
+
+
+def needle_table(rows: pd.DataFrame) -> pd.DataFrame:
+    _, numbers = F.needle_heatmap(rows)
+    if numbers.empty:
+        return numbers
+    wide = numbers.pivot_table(index=["setting", "length"], columns="depth", values="accuracy").reset_index()
+    wide.columns = [c if isinstance(c, str) else f"depth {c:g}" for c in wide.columns]
+    return wide
+
+
+def sim_cost(rows: pd.DataFrame) -> pd.DataFrame:
+    """Seconds per ppl window in sim mode (wall time less the model load, over the windows) and the ratio to
+    full's on the same task setting."""
+    data = F.of_task(rows, "ppl")
+    if data.empty:
+        return pd.DataFrame(columns=["method", "params", "s / window", "x full"])
+    seconds = (pd.to_numeric(data["meta.wall_s"]) - pd.to_numeric(data["meta.load_s"])) / F.metric(data, "windows")
+    out = pd.DataFrame({"method": data["method"], "params": T.key_params(data), "s / window": seconds,
+                        "threads": pd.to_numeric(F.column(data, "meta.threads")).astype("Int64"),
+                        "device": F.column(data, "meta.device")})
+    full = out.loc[out["method"] == "full", "s / window"]
+    out["x full"] = out["s / window"] / (full.iloc[0] if len(full) else math.nan)
+    return out.sort_values(["x full", "method", "params"]).reset_index(drop=True)
+
+
+def latency_table(rows: pd.DataFrame) -> pd.DataFrame:
+    return T.table(rows, "latency")
+
+
+# ------------------------------------------------------------------- verdicts
+
+
+def c1_verdict(rows: pd.DataFrame) -> list[str]:
+    out = []
+    data = ppl_rows(rows)
+    full = full_ppl(data) if not data.empty else None
+    gen = data[(data["method"] == "infinigen")] if not data.empty else data
+    if full is None or gen.empty:
+        out += needs("WikiText-2 ppl rows of full and InfiniGen")
+    else:
+        for curve, part in gen.groupby("curve"):
+            above = part[part["kv"] >= 0.10]
+            if above.empty:
+                out.append(f"{curve}: no kv_fraction >= 10% (largest {num(100 * part['kv'].max())}%)")
+                continue
+            worst = above.loc[above["ppl"].idxmax()]
+            out.append(f"WikiText-2 perplexity, {curve} at measured kv_fraction >= 10% ({len(above)} budgets): at "
+                       f"most {num(100 * (worst['ppl'] / full - 1))}% above full's {num(full, 4)} (worst: "
+                       f"{num(worst['ppl'], 4)} at kv_fraction {num(100 * worst['kv'])}%)")
+    acc = T.table(rows, "accuracy")
+    if acc.empty:
+        return out + needs("lm-eval accuracy rows")
+    full_acc = acc.loc[acc["method"] == "full", "mean acc"]
+    gen = acc[(acc["method"] == "infinigen") & (acc["kv_fraction"] >= 0.10)]
+    if full_acc.empty or gen.empty:
+        return out + needs("lm-eval rows of full and of InfiniGen at kv_fraction >= 10%")
+    n = int(F.metric(F.of_task(rows, "lm_eval"), "n").max())
+    out.append(f"lm-eval mean accuracy, InfiniGen at kv_fraction >= 10%: {num(100 * gen['mean acc'].min())}-"
+               f"{num(100 * gen['mean acc'].max())}% vs full's {num(100 * full_acc.iloc[0])}% over n = {n} docs per "
+               f"task (one doc = {num(100 / n)} points: a smoke test of the path, not an accuracy estimate)")
+    return out
+
+
+def matched_gaps(data: pd.DataFrame, method: str, reference: str, x: str = "rel_kv") -> list[tuple]:
+    """(x, method's ppl gap to full, reference's gap interpolated at that x, the method's row, the reference's
+    curve) for each row of `method` inside the measured range of a curve of `reference`."""
+    full = full_ppl(data)
+    out = []
+    for ref_curve, ref in data[data["method"] == reference].groupby("curve"):
+        for _, row in data[data["method"] == method].sort_values([x, "curve"]).iterrows():
+            at = interpolate(ref, x, "ppl", row[x])
+            if at is not None:
+                out.append((row[x], row["ppl"] - full, at - full, row, ref_curve))
+    return out
+
+
+def c2_verdict(rows: pd.DataFrame) -> list[str]:
+    data = ppl_rows(rows)
+    if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
+        return needs("WikiText-2 ppl rows of full, InfiniGen, H2O and quant")
+    out = []
+    for x, gap, ref_gap, row, _ in matched_gaps(data, "infinigen", "h2o"):
+        out.append(f"at relative KV size {num(100 * x)}% ({row['curve']}, measured): perplexity gap to full "
+                   f"InfiniGen {signed(gap)}, H2O {signed(ref_gap)} (interpolated): H2O's gap / InfiniGen's = "
+                   f"{num(ref_gap / gap)}x")
+    for x, gap, ref_gap, row, curve in matched_gaps(data, "quant", "infinigen"):
+        out.append(f"at relative KV size {num(100 * x)}% ({num(row['method_params.bits'])}-bit quant): gap to full "
+                   f"quant {signed(gap)}, {curve} {signed(ref_gap)} (interpolated): quant's gap / InfiniGen's = "
+                   f"{num(gap / ref_gap)}x")
+    gen = data[data["method"] == "infinigen"]
+    for _, row in data[data["method"] == "quant"].iterrows():  # outside InfiniGen's range: its nearest point
+        if not any(m[3].name == row.name for m in matched_gaps(data, "quant", "infinigen")):
+            near = gen.loc[(gen["rel_kv"] - row["rel_kv"]).abs().idxmin()]
+            out.append(f"{num(row['method_params.bits'])}-bit quant at relative KV size {num(100 * row['rel_kv'])}%: "
+                       f"gap to full {signed(row['ppl'] - full_ppl(data))}; nearest InfiniGen point ({near['curve']}"
+                       f", {num(100 * near['rel_kv'])}%): {signed(near['ppl'] - full_ppl(data))}")
+    if not out:
+        out.append("no InfiniGen point lies inside H2O's or quant's measured KV-size range (widen the budgets)")
+    return out
+
+
+def c3_verdict(rows: pd.DataFrame) -> list[str]:
+    _, numbers = F.fig12_ppl_position(rows)
+    if numbers.empty or not (numbers["method"] == "full").any():
+        return needs("ppl rows with per-chunk NLL (seq_len >= 2048) of full and the compared methods")
+    full = numbers[numbers["method"] == "full"].set_index("position")["nll"]
+    mean = {m: (part.set_index("position")["nll"] - full).mean()
+            for m, part in numbers[numbers["method"] != "full"].groupby("method")}
+    out = []
+    if "infinigen" in mean and "h2o" in mean:
+        out.append(f"mean NLL gap to full over the window: InfiniGen {num(mean['infinigen'])}, H2O {num(mean['h2o'])} "
+                   f"nats/token: InfiniGen's / H2O's = {num(mean['infinigen'] / mean['h2o'])}x")
+    for curve, part in numbers[numbers["method"] != "full"].groupby("curve"):
+        gap = part.set_index("position")["nll"] - full
+        first, second = gap.iloc[:len(gap) // 2].mean(), gap.iloc[len(gap) // 2:].mean()
+        out.append(f"{curve}: NLL gap to full {num(first)} nats/token over the first half of the window, "
+                   f"{num(second)} over the second ({'grows' if second > first else 'does not grow'} along it)")
+    return out
+
+
+def c4_verdict(rows: pd.DataFrame) -> list[str]:
+    out = []
+    data = ppl_rows(rows)
+    gen = data[data["method"] == "infinigen"] if not data.empty else data
+    if gen.empty or gen["method_params.skew"].map(bool).nunique() < 2:
+        out += needs("InfiniGen ppl rows with skew on and off")
+    else:
+        on, off = (gen[gen["method_params.skew"].map(bool) == s].iloc[0] for s in (True, False))
+        full = full_ppl(data)
+        gap = f" (full {num(full, 4)})" if full is not None else ""
+        out.append(f"WikiText-2 perplexity with skewing {num(on['ppl'], 4)}, without {num(off['ppl'], 4)}{gap}; "
+                   f"speculation recall {num(on['recall'])} vs {num(off['recall'])} at kv_fraction "
+                   f"{num(100 * on['kv'])}% vs {num(100 * off['kv'])}%")
+    _, bars = F.fig13_skew(rows)
+    if bars.empty:
+        return out + needs("InfiniGen lm-eval rows with skew on and off")
+    mean = bars.groupby("bar")["acc_pct"].mean()
+    out.append("lm-eval accuracy, mean over " + f"{bars['task'].nunique()} tasks: "
+               + ", ".join(f"{b} {num(mean[b])}%" for b in ("full", "infinigen (skew)", "infinigen (no skew)")
+                           if b in mean)
+               + f" (n = {int(F.metric(F.of_task(rows, 'lm_eval'), 'n').max())} docs per task: smoke size)")
+    return out
+
+
+def c5_verdict(rows: pd.DataFrame) -> list[str]:
+    table = T.table(rows, "eviction")
+    pools = [c for c in table.columns if str(c).startswith("pool ") and c != "pool 100%"]
+    if table.empty or "pool 100%" not in table or not pools:
+        return needs("InfiniGen ppl rows with a 100% and an 80% pool")
+    out = []
+    for _, row in table.iterrows():
+        deltas = sorted((row[p] - row["pool 100%"], p.split(", ")[-1]) for p in pools if not pd.isna(row[p]))
+        out.append(f"{row['dataset']} seq {row['seq_len']}: perplexity with the capped pool, vs the full pool's "
+                   f"{num(row['pool 100%'], 4)}: " + ", ".join(f"{name} {signed(d)}" for d, name in deltas)
+                   + f" (best: {deltas[0][1]})")
+    return out
+
+
+def plateau(rows: pd.DataFrame, along: str, tolerance: float = 0.02) -> list[str]:
+    """Per swept setting: the smallest value of `along` from which every perplexity is within `tolerance` of the
+    sweep's best, and the kv_fraction there and at the largest value."""
+    data = F.ablation_rows(rows, "ppl", along)
+    out = []
+    for curve, part in data.groupby("curve"):
+        part = part.assign(ppl=F.metric(part, "ppl"), kv=F.metric(part, "kv_fraction")).sort_values(along)
+        best = part["ppl"].min()
+        within = (part["ppl"] <= best * (1 + tolerance)).astype(int)[::-1].cummin()[::-1] == 1  # from its start on
+        last = part.iloc[-1]
+        if not within.any():
+            out.append(f"{along} ({curve}): no plateau: at {along} = {num(last[along])} perplexity is "
+                       f"{num(100 * (last['ppl'] / best - 1))}% above the sweep's best ({num(best, 4)})")
+            continue
+        first = part[within].iloc[0]
+        out.append(f"{along} ({curve}): perplexity within {num(100 * tolerance)}% of the sweep's best "
+                   f"({num(best, 4)}) from {along} = {num(first[along])} on (swept {num(part[along].min())}-"
+                   f"{num(part[along].max())}); kv_fraction {num(100 * first['kv'])}% there, "
+                   f"{num(100 * last['kv'])}% at {along} = {num(last[along])}")
+    return out
+
+
+def c6_verdict(rows: pd.DataFrame) -> list[str]:
+    out = plateau(rows, "alpha") + plateau(rows, "partial_ratio")
+    return out or needs("InfiniGen ppl rows over >= 3 values of alpha or partial_ratio")
+
+
+def c7_verdict(rows: pd.DataFrame) -> list[str]:
+    data, y = F.latency_rows(rows)
+    if y is None or not (data["method"] == "infinigen").any():
+        return needs("latency rows of InfiniGen and the baselines")
+    out = []
+    for (model, batch, prompt), part in data.groupby(["model", "batch_size", "prompt_len"]):
+        ms = part.groupby("method")[y].median()
+        if "infinigen" not in ms or len(ms) < 2:
+            continue
+        source = "; ".join(sorted(set(part["decode_source"])))
+        out.append(f"{model}, batch {num(batch)}, prompt {num(prompt, 5)} ({source}; median over a method's "
+                   f"settings): decode ms/token InfiniGen {num(ms['infinigen'])}; speed-up of InfiniGen over "
+                   + ", ".join(f"{m} {num(v / ms['infinigen'])}x" for m, v in ms.drop("infinigen").items()))
+    return out or needs("latency rows of InfiniGen and a baseline at the same batch and prompt")
+
+
+def speculation_verdict(rows: pd.DataFrame) -> list[str]:
+    data = ppl_rows(rows)
+    if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
+        return needs("ppl rows of full and InfiniGen's speculate_from options")
+    out = []
+    gen = data[data["method"] == "infinigen"]
+    full = full_ppl(data)
+    by = gen.assign(budget=pd.to_numeric(gen["method_params.budget"]), source=gen["method_params.speculate_from"])
+    for budget, part in by.groupby("budget"):
+        ppl = part.set_index("source")["ppl"]
+        if {"previous", "block_input"} <= set(ppl.index):
+            out.append(f"at budget {num(budget)}: gap to full `block_input` {signed(ppl['block_input'] - full)}, the "
+                       f"paper's `previous` {signed(ppl['previous'] - full)}: block_input's gap / previous's = "
+                       f"{num((ppl['block_input'] - full) / (ppl['previous'] - full))}x")
+    for x, gap, ref_gap, row, _ in matched_gaps(data, "infinigen", "oracle", x="kv"):
+        out.append(f"`{row['method_params.speculate_from']}` at budget {num(row['method_params.budget'])} "
+                   f"(kv_fraction {num(100 * x)}%): gap to full {signed(gap)}, the oracle's at that kv_fraction "
+                   f"{signed(ref_gap)}: InfiniGen's gap / the oracle's = {num(gap / ref_gap)}x")
+    outside = len(gen) - len(matched_gaps(data, "infinigen", "oracle", x="kv"))
+    if not (data["method"] == "oracle").any():
+        out.append("no oracle rows: the matched comparison needs them (the second command below)")
+    elif outside:
+        out.append(f"{outside} InfiniGen setting(s) lie outside the oracle's measured kv_fraction range (no matched "
+                   "comparison)")
+    return out or needs("InfiniGen rows of two speculate_from options at one budget")
+
+
+def others_verdict(rows: pd.DataFrame) -> list[str]:
+    data = ppl_rows(rows)
+    if data.empty or full_ppl(data) is None:
+        return needs("ppl rows of full and the compared methods")
+    out = []
+    plain = data[F.metric(data, "dense_rows").fillna(0) == 0]
+    for x, gap, ref_gap, row, _ in matched_gaps(plain, "quest", "oracle", x="kv"):
+        out.append(f"Quest at budget {num(row['method_params.budget'])} (kv_fraction {num(100 * x)}%): gap to "
+                   f"full {signed(gap)}, the oracle's there {signed(ref_gap)}: {num(gap / ref_gap)}x the oracle's")
+    for bits in (2, 4):
+        kivi = plain[(plain["method"] == "kivi") & (pd.to_numeric(F.column(plain, "method_params.bits")) == bits)]
+        quant = plain[(plain["method"] == "quant") & (pd.to_numeric(F.column(plain, "method_params.bits")) == bits)]
+        if not kivi.empty and not quant.empty:
+            full = full_ppl(plain)
+            out.append(f"{bits}-bit: KIVI gap to full {signed(kivi['ppl'].iloc[0] - full)}, per-token quant "
+                       f"{signed(quant['ppl'].iloc[0] - full)}")
+    prompt = data[F.metric(data, "dense_rows").fillna(0) > 0]
+    if not prompt.empty and full_ppl(prompt) is not None:
+        for x, gap, ref_gap, row, _ in matched_gaps(prompt, "snapkv", "oracle", x="kv"):
+            out.append(f"SnapKV at budget {num(row['method_params.budget'])} with a "
+                       f"{num(F.metric(row.to_frame().T, 'dense_rows').iloc[0], 5)}-token prompt (kv_fraction "
+                       f"{num(100 * x)}%): gap to full {signed(gap)}, the oracle's there {signed(ref_gap)}: "
+                       f"{num(gap / ref_gap)}x the oracle's")
+    return out or needs("ppl rows of Quest, KIVI or SnapKV")
+
+
+def long_verdict(rows: pd.DataFrame) -> list[str]:
+    out = []
+    _, cells = F.needle_heatmap(rows)
+    if cells.empty:
+        out += needs("needle rows")
+    else:
+        acc = cells.groupby("setting").apply(lambda c: (c["accuracy"] * c["n"]).sum() / c["n"].sum(),
+                                             include_groups=False)
+        n = int(cells.groupby("setting")["n"].sum().max())
+        out.append(f"needle retrieval, share of {n} keys retrieved exactly: "
+                   + ", ".join(f"{s} {num(100 * a)}%" for s, a in acc.sort_index().items()))
+    return out
+
+
+def cost_verdict(rows: pd.DataFrame) -> list[str]:
+    cost = sim_cost(rows)
+    if cost.empty or cost["x full"].isna().all():
+        return needs("ppl rows of full and the other methods")
+    parts = cost[cost["method"] != "full"].dropna(subset=["x full"])
+    if parts.empty:
+        return needs("ppl rows of methods other than full next to full's")
+    by = parts.groupby("method")["x full"].median().sort_values()
+    tokens = num(F.metric(F.of_task(rows, "ppl"), "seq_len").max(), 5)
+    return [f"sim-mode seconds per {tokens}-token window / full's, median over each method's settings: "
+            + ", ".join(f"{m} {num(x)}x" for m, x in by.items())]
+
+
+COMPARED = (f"{PPL} method=full",
+            f"{PPL} method=infinigen method.budget=0.1,0.2",
+            "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_previous",
+            f"{PPL} +point=h2o_0.0625,h2o_0.1",
+            f"{PPL} method=quant method.bits=2,4")
+OTHERS = (f"{PPL} method=oracle method.budget=0.1,0.2",
+          f"{PPL} method=quest method.budget=0.1,0.2",
+          f"{PPL} method=kivi method.bits=2",
+          f"{PPL} task.dense_rows=512 method=snapkv method.budget=0.2",
+          f"{PPL} task.dense_rows=512 method=full",
+          f"{PPL} task.dense_rows=512 method=oracle method.budget=0.1,0.2")
+LATENCY = ("python run.py -m +experiment=fig14_15_latency_batch_smoke",
+           "python run.py -m +experiment=fig16a_latency_prompt_smoke",
+           "python run.py -m +experiment=fig16b_latency_model_smoke",
+           "python run.py -m +experiment=fig17_alpha_latency_smoke")
+
+SECTIONS: list[Section] = [
+    Section("c1_accuracy", "C1. Accuracy close to full attention above 10% of the KV cache",
+            "InfiniGen keeps accuracy within a small margin of full attention once it fetches more than about 10% "
+            "of the KV cache (paper Fig. 11).",
+            ("python run.py -m +experiment=fig11_accuracy_smoke +point=full,h2o_0.0625,quant_2,infinigen_a5_b0.2,"
+             "infinigen_a7_b0.6", *COMPARED[:3]),
+            ppl_and_accuracy, c1_verdict, figure_of("fig11_accuracy")),
+    Section("c2_baselines", "C2. Better than H2O and quantisation at small KV budgets",
+            "At the same (small) relative KV cache size InfiniGen loses less than H2O's eviction and low-bit KV "
+            "quantisation (paper Fig. 11). Compared here on WikiText-2 perplexity at the measured relative KV size, "
+            "InfiniGen at two settings: conf/method/infinigen.yaml's (the paper's OPT values: alpha 4, partial "
+            "ratio 0.2, skip_layers 1) and the Llama-family one of point speculate_previous (alpha 8, partial ratio "
+            "0.5, skip_layers 2).",
+            COMPARED, ppl_table, c2_verdict, lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size")),
+    Section("c3_position", "C3. Perplexity along the sequence",
+            "InfiniGen's loss stays close to full attention's along the whole sequence, while H2O's drifts (paper "
+            "Fig. 12).", ("python run.py -m +experiment=fig12_ppl_position_smoke",),
+            nll_table, c3_verdict, figure_of("fig12_ppl_position")),
+    Section("c4_skewing", "C4. Skewing makes the partial weights speculate better",
+            "Skewing the query/key weights concentrates the attention scores in few columns, so the partial "
+            "weights speculate better (paper Fig. 13).",
+            (SKEW_PPL, "python run.py -m +experiment=fig13_skew_smoke"),
+            ppl_and_accuracy, c4_verdict, figure_of("fig13_skew")),
+    Section("c5_eviction", "C5. Eviction policies for a capped KV pool",
+            "With the KV pool capped at 80% of the sequence, the counter-based policy loses least (paper Table 2).",
+            ("python run.py -m +experiment=table2_eviction_smoke task.seq_len=512",),
+            eviction_table, c5_verdict, figure_of("table2_eviction")),
+    Section("c6_ablation", "C6. Alpha and the partial weight ratio plateau",
+            "Accuracy saturates beyond a moderate alpha (while the fetched share keeps growing) and beyond a small "
+            "partial weight ratio (paper Fig. 17).",
+            ("python run.py -m +experiment=fig17_alpha_smoke method.alpha=1.0,3.0,5.0,7.0,9.0",
+             "python run.py -m +experiment=fig17_partial_smoke method.partial_ratio=0.1,0.2,0.5,1.0"),
+            ppl_table, c6_verdict, figure_of("fig17_ablation")),
+    Section("c7_speed", "C7. Speed",
+            "InfiniGen's decode is faster than full offloading, H2O and quantisation at large batches and long "
+            "prompts (paper Figs. 14-16).", LATENCY, latency_table, c7_verdict, figure_of("fig14_16_latency"),
+            note="Measured CPU latencies are not the paper's setting (a GPU with the KV cache in host memory); "
+                 "modelled speed rows are labelled apart in docs/speed.md."),
+    Section("speculation", "Beyond the paper: the speculation input",
+            "Speculating layer i from layer i's own input norm applied to the residual stream the paper reads "
+            "(`block_input`) fetches better tokens than the paper's `previous`, at the same prefetch window.",
+            (COMPARED[0], "python run.py -m +experiment=fig13_speculation_smoke "
+                          "+point=speculate_previous,speculate_block_input,oracle_skip2"),
+            ppl_table, speculation_verdict, figure_of("fig13_speculation")),
+    Section("others", "Beyond the paper: Quest, SnapKV, KIVI",
+            "Later methods on the same windows: Quest's page bounds and SnapKV's prompt compression against the "
+            "oracle's exact top-k at a matched kv_fraction, KIVI's per-channel keys against per-token quantisation "
+            "at the same bits. SnapKV compresses a prompt: its rows (and their full / oracle / Quest references) "
+            "treat the first 512 tokens as the prompt (task.dense_rows=512).",
+            (COMPARED[0], *OTHERS, COMPARED[4]), ppl_table, others_verdict,
+            lambda rows: ppl_vs_kv(rows, "Quest, SnapKV, KIVI: perplexity vs relative KV size")),
+    Section("long_context", "Beyond the paper: long context and needle retrieval",
+            "Pass-key retrieval through the method's decode-mode cache: query-aware selection keeps a needle that "
+            "eviction (StreamingLLM's window) has dropped. Perplexity at long context: docs/long_context.md.",
+            ("python run.py -m +experiment=needle_smollm2_smoke",),
+            needle_table,
+            long_verdict, figure_of("needle_heatmap")),
+    Section("sim_cost", "Beyond the paper: sim-mode cost",
+            "What a perplexity run costs per method in sim mode (all rows of a window in one forward), relative to "
+            "full attention: wall time less the model load, per window.",
+            COMPARED + OTHERS[:3], sim_cost, cost_verdict, lambda rows: cost_bars(rows, "sim-mode cost per window"),
+            note="Wall time as the rows record it (meta.wall_s - meta.load_s), one run per setting. The committed "
+                 "rows ran on a 2-core CPU shared with other jobs, which at times paused them: their ratios say "
+                 "little about cost. `make bench` measures it in one quiet process (docs/scaling.md)."),
+]
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def provenance(rows: pd.DataFrame) -> str:
+    if rows.empty:
+        return ""
+    """Runs, commits, machines, torch versions and data the rows come from."""
+    commits = sorted(set(F.column(rows, "meta.git_commit").dropna().map(
+        lambda c: c[:7] + ("-dirty" if c.endswith("-dirty") else ""))))
+    devices = sorted(set(F.column(rows, "meta.device").astype(str) + " x "
+                         + F.column(rows, "meta.threads").astype(str) + " threads"))
+    torch = sorted(set(F.column(rows, "meta.versions").map(
+        lambda v: v.get("torch") if isinstance(v, dict) else None).dropna()))
+    data = sorted(set(T.data_id(rows).dropna()))
+    runs = rows["_file"].nunique()
+    return (f"{runs} run{'s' * (runs != 1)}; commit {', '.join(commits)}; device {', '.join(devices)}; "
+            f"torch {', '.join(torch)}" + (f"; data sha256 {', '.join(data)}" if data else ""))
+
+
+def verdict(section: Section, rows: pd.DataFrame) -> list[str]:
+    return (section.verdict(rows) if not rows.empty else []) or needs("rows of this section")
+
+
+def render(section: Section, matched: Matched, out: Path, figure_dir: str, figures: bool = True) -> str:
+    rows = matched.rows
+    lines = [f"## {section.title}", "", f"*Claim.* {section.claim}", ""]
+    verdicts = verdict(section, rows)
+    lines += [f"**Verdict (computed from the store):** {verdicts[0]}" if len(verdicts) == 1
+              else "**Verdict (computed from the store):**", ""]
+    if len(verdicts) > 1:
+        lines += [f"* {v}" for v in verdicts] + [""]
+    lines += ["Rows from:", "", "```bash", *section.commands, "```", ""]
+    lines.append(f"{matched.present} of {matched.total} configs in the store"
+                 + (f" ({provenance(rows)})." if matched.present else "."))
+    if matched.missing:
+        lines += ["", "Missing (run, then `make export report`):", ""]
+        lines += [f"* {n} config(s) of `{command}`" for command, n in matched.missing.items()]
+    if section.note:
+        lines += ["", section.note]
+    lines.append("")
+    if not rows.empty:
+        if section.figure is not None:
+            if figures:
+                save(section.figure(rows), out / figure_dir / f"{section.slug}.png")
+            lines += [f"![{section.slug}]({figure_dir}/{section.slug}.png)", ""]
+        table = section.table(rows)
+        if not table.empty:
+            table = table.dropna(axis=1, how="all")
+            lines += [T.markdown(table, right={c for c in table.columns if c not in T.TEXT and c != "setting"
+                                               and pd.api.types.is_numeric_dtype(table[c])}), ""]
+    return "\n".join(lines)
+
+
+def headline(results: dict[str, list[str]]) -> str:
+    """The README's one paragraph of numbers: the first verdict line of C1, C2, C3 and the speculation finding."""
+    picks = [("C1", "c1_accuracy"), ("C2", "c2_baselines"), ("C3", "c3_position"), ("speculation input", "speculation")]
+    parts = [f"{name}: {results[slug][0]}" for name, slug in picks
+             if results.get(slug) and not results[slug][0].startswith("not computed")]
+    if not parts:
+        return ("No headline numbers yet: docs/store has no rows of C1, C2, C3 or the speculation input (see "
+                "docs/results.md).\n")
+    return ("Headline numbers (SmolLM2-135M on a 2-core CPU, smoke-sized runs; generated by `make report` from "
+            "docs/store, details in [docs/results.md](docs/results.md)): " + "; ".join(parts) + ".\n")
+
+
+def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = None,
+           figures: bool = True) -> dict[str, list[str]]:
+    """Writes <out>/results.md and <out>/report/*.png; rewrites the README's headline block when given."""
+    out = Path(out)
+    df = load(store_dir)
+    verdicts: dict[str, list[str]] = {}
+    commands = list(dict.fromkeys(c for s in SECTIONS for c in s.commands))
+    stale = stale_rows(df, commands)
+    fresh = df[~df["_file"].isin({line.split("`")[1] for line in stale})] if stale else df
+    body = []
+    for section in SECTIONS:
+        matched = match(fresh, section.commands)
+        verdicts[section.slug] = verdict(section, matched.rows)
+        body.append(render(section, matched, out, "report", figures))
+    summary = ["| section | verdict (first line) |", "|---|---|"]
+    summary += [f"| [{s.title}](#{anchor(s.title)}) | {verdicts[s.slug][0].replace('|', '/')} |" for s in SECTIONS]
+    store_name = label(store_dir)
+    head = [
+        "# Reproduction report", "",
+        f"Generated by `make report` (`python -m analysis.report`) from the committed store `{store_name}` only; do "
+        "not edit by hand. Every number below is computed from the store's rows; each section names the commands "
+        "that produce its rows. Rows land in `results/` (`run.py`'s `results_dir`); `make export` copies them into "
+        "docs/store without per-prompt detail (`python -m analysis.store export --results results --to docs/store`).",
+        "", "Sizes are what a 2-core CPU affords (SmolLM2-135M, one or two windows, a few lm-eval docs): they test "
+        "each claim's direction, not the paper's magnitudes on its 6.7B-30B models.", "",
+        "## Stale rows", "",
+        *(stale or ["None: every stored run matches what its command composes today."]), "",
+        "## Summary", "", *summary, "",
+    ]
+    text = "\n".join(head + body).rstrip() + "\n"
+    (out / "results.md").write_text(text)
+    if readme is not None:
+        update_readme(Path(readme), headline(verdicts))
+    return verdicts
+
+
+def label(path: str | Path) -> str:
+    """A path as the report prints it: relative to the repository when inside it (the same text wherever the
+    report is written from)."""
+    path = Path(path).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def update_readme(path: Path, paragraph: str) -> None:
+    text = path.read_text()
+    if not HEADLINE.search(text):
+        raise SystemExit(f"{path} has no <!-- report:headline --> ... <!-- /report:headline --> block")
+    path.write_text(HEADLINE.sub(lambda m: m.group(1) + paragraph + m.group(3), text))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", default="docs/store", help="the results store the report reads")
+    parser.add_argument("--out", default="docs", help="where results.md and report/*.png go")
+    parser.add_argument("--readme", default="README.md", help="README whose headline block is rewritten ('' = none)")
+    args = parser.parse_args(argv)
+    report(args.store, args.out, args.readme or None)
+    print(f"[report] {Path(args.out) / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()

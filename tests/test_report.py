@@ -1,0 +1,214 @@
+"""The reproduction report (issue 21): `make report` regenerates the committed docs/results.md, its figures and the
+README's headline paragraph from docs/store alone, byte for byte; a stored row whose config no longer matches what
+its command composes is reported stale and left out; `analysis.store export` copies runs without per-prompt
+detail; the README stays a guide (<= 350 lines, no pasted result tables)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from analysis import report, store
+from conftest import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def regenerate(tmp_path: Path, store_dir: Path = DOCS / "store", figures: bool = True) -> Path:
+    """The report written into tmp_path/docs from `store_dir`, with a copy of the README (figures=False:
+    results.md only, which is what most checks read)."""
+    out = tmp_path / "docs"
+    out.mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    report.report(store_dir, out, tmp_path / "README.md", figures=figures)
+    return out
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    return regenerate(tmp_path_factory.mktemp("report"))
+
+
+def test_committed_results_md_is_what_make_report_writes(regenerated):
+    assert (regenerated / "results.md").read_text() == (DOCS / "results.md").read_text(), (
+        "docs/results.md differs from what docs/store gives: run `make report` and commit docs/")
+
+
+def test_committed_figures_are_what_make_report_writes(regenerated):
+    made = sorted(p.name for p in (regenerated / "report").glob("*.png"))
+    assert made == sorted(p.name for p in (DOCS / "report").glob("*.png"))
+    for name in made:
+        assert (regenerated / "report" / name).read_bytes() == (DOCS / "report" / name).read_bytes(), name
+
+
+def test_readme_headline_numbers_are_the_stores(regenerated):
+    """The README's numbers live in one generated paragraph; a hand edit of it, or a store that moved on, fails."""
+    made = report.HEADLINE.search((regenerated.parent / "README.md").read_text())
+    committed = report.HEADLINE.search((ROOT / "README.md").read_text())
+    assert committed, "README.md lost its <!-- report:headline --> block"
+    assert made.group(2) == committed.group(2), "README headline differs from docs/store: run `make report`"
+    numbers = re.findall(r"\d+\.\d+", committed.group(2))
+    assert numbers, "the headline paragraph quotes no number"
+    results = (DOCS / "results.md").read_text()
+    assert all(n in results for n in numbers)
+
+
+def test_readme_is_a_guide():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 350
+    outside = report.HEADLINE.sub("", text)
+    pasted = [line for line in outside.splitlines()
+              if line.startswith("|") and re.search(r"\|\s*-?\d+\.\d+\s*\|", line)]
+    assert not pasted, f"result rows pasted into the README (they belong in docs/results.md): {pasted[:3]}"
+    for link in re.findall(r"\]\((docs/[^)#]+)", text):
+        if link not in ("docs/adding_a_method.md", "docs/scaling.md", "docs/speed.md"):  # written by other issues
+            assert (ROOT / link).exists(), link
+
+
+def test_a_row_whose_config_changed_is_reported_stale_and_left_out(tmp_path, regenerated):
+    """A method's default changing is the same, for the report, as the row recording another value than today's
+    composition: it must be listed as stale and not counted."""
+    copy = tmp_path / "store"
+    shutil.copytree(DOCS / "store", copy)
+    path = next(p for p in sorted(store.rows_dir(copy).glob("*.jsonl"))
+                if json.loads(p.read_text().splitlines()[0])["method"] == "infinigen")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row["config"]["method"]["alpha"] = row["config"]["method"]["alpha"] + 1.5
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = regenerate(tmp_path / "gen", copy, figures=False)
+    text = (out / "results.md").read_text()
+    stale = text.split("## Stale rows", 1)[1].split("## Summary", 1)[0]
+    assert f"`{path.name}`" in stale and "method.alpha: row" in stale
+    counts = lambda t: [int(n) for n in re.findall(r"^(\d+) of \d+ configs in the store", t, re.M)]  # noqa: E731
+    assert sum(counts(text)) < sum(counts((regenerated / "results.md").read_text()))
+
+
+def test_sweep_expansion_matches_hydra():
+    """A preset's sweeper params and the command line expand as run.py -m does (the command line wins)."""
+    jobs = report.compose_jobs("python run.py -m +experiment=fig13_speculation_smoke +point=speculate_block_input")
+    assert sorted(j["method"]["budget"] for j in jobs) == [0.1, 0.2]
+    assert {j["method"]["speculate_from"] for j in jobs} == {"block_input"}
+    assert {j["task"]["seq_len"] for j in jobs} == {1024}
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+def row(digest: str, method: str = "full", **metrics) -> dict:
+    return {"config_hash": digest, "model": "tiny", "method": method, "task": "needle",
+            "method_params": {"name": method}, "task_params": {"name": "needle", "lengths": [64]},
+            "metrics": {"accuracy": 1.0, "per_prompt": [{"key": "12345"}] * 3, "seconds_per_prompt": {"64": 0.1},
+                        **metrics}, "meta": {"git_commit": "abc"}, "config": {}}
+
+
+def test_export_drops_per_prompt_detail_filters_and_keeps_one_run_per_config(tmp_path):
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    store.append_rows(results, "a" * 16, [row("a" * 16)])
+    store.append_rows(results, "b" * 16, [row("b" * 16, method="h2o")])
+    written = store.export(results, docs, ["method=full"])
+    assert [p.name.split("__")[0] for p in written] == ["a" * 16]
+    exported = json.loads(written[0].read_text())
+    assert "per_prompt" not in exported["metrics"] and "seconds_per_prompt" not in exported["metrics"]
+    assert exported["metrics"]["accuracy"] == 1.0 and exported["meta"] == {"git_commit": "abc"}
+    assert store.export(results, docs, ["method=full"]) == []  # nothing new: nothing rewritten
+    store.append_rows(results, "a" * 16, [row("a" * 16, accuracy=0.5)])  # a forced re-run of the same config
+    store.export(results, docs)
+    files = sorted(p.name.split("__")[0] for p in store.rows_dir(docs).glob("*.jsonl"))
+    assert files == ["a" * 16, "b" * 16]
+    assert store.load(docs).set_index("method").loc["full", "metrics.accuracy"] == 0.5
+
+
+def test_export_where_reads_dotted_paths_and_numbers(tmp_path):
+    results = tmp_path / "results"
+    store.append_rows(results, "c" * 16, [row("c" * 16) | {"task_params": {"name": "ppl", "seq_len": 1024}}])
+    assert store.export(results, tmp_path / "a", ["task_params.seq_len=2048"]) == []
+    assert len(store.export(results, tmp_path / "b", ["task_params.seq_len=1024.0", "method=h2o,full"])) == 1
+    with pytest.raises(store.StoreError, match="COLUMN=VALUE"):
+        store.export(results, tmp_path / "c", ["method"])
+
+
+# ----------------------------------------------------------------------------------------------- every section
+
+
+def method_names() -> dict[str, str]:
+    import yaml
+
+    return {yaml.safe_load(p.read_text())["_target_"]: p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")}
+
+
+def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dict]:
+    """Plausible metrics of a run: kv_fraction from the method's size, a loss growing as it shrinks."""
+    kv = {"full": 1.0, "quant": 1.0, "kivi": 1.0, "offload": 1.0, "streaming": params.get("recent", 0.2),
+          "h2o": params.get("heavy", 0.1) + params.get("recent", 0.1)}.get(method)
+    alpha = params.get("alpha", 0) if params.get("alpha", 0) < 100 else 0  # the oracle's is inf
+    kv = kv if kv is not None else min(1.0, 1.3 * params.get("budget", 0.2) + 0.01 * alpha)
+    kv *= 0.9 if params.get("capacity", 1.0) < 1 else 1.0
+    loss = 2.9 + (1 - kv) * (0.6 + 0.01 * i) + (0.3 if params.get("bits", 16) <= 2 else 0.0)
+    common = {"kv_fraction": kv, "recall": 0.8 + 0.15 * kv if "budget" in params else None}
+    if task["name"] == "ppl":
+        chunks = {str(p): loss + 0.1 * (p // 256 % 3) for p in range(0, task["seq_len"], 256)}
+        return [common | {"ppl": 2.718 ** loss, "nll": loss, "windows": task["max_windows"],
+                          "seq_len": task["seq_len"], "nll_by_chunk": chunks}]
+    if task["name"] == "lm_eval":
+        return [common | {"task": name, "acc": round(0.4 + 0.4 * kv, 2), "n": task["limit"], "limit": task["limit"],
+                          "num_fewshot": task["num_fewshot"], "protocol": task["protocol"]} for name in task["tasks"]]
+    if task["name"] == "needle":
+        cells = [{"length": n, "depth": d, "accuracy": float(kv > 0.5 or d == 1.0), "loglik": -1.0, "n": task["seeds"]}
+                 for n in task["lengths"] for d in task["depths"]]
+        return [common | {"accuracy": sum(c["accuracy"] for c in cells) / len(cells), "cells": cells}]
+    if task["name"] == "latency":
+        ms = 20.0 + 80.0 * kv * task["batch_size"] * task["prompt_len"] / 384
+        return [common | {"decode_ms_median": ms, "modelled_decode_ms_per_token": ms * 1.1,
+                          "h2d_bytes_per_token": kv * 2**20, "batch_size": task["batch_size"],
+                          "prompt_len": task["prompt_len"], "gen_len": task["gen_len"]}]
+    return []
+
+
+def synthetic_store(path: Path, keep=lambda i: True) -> None:
+    """One run per configuration the report's commands compose today, of those whose index `keep` accepts."""
+    from analysis import figures
+
+    names = method_names()
+    commands = {c for section in report.SECTIONS for c in section.commands}
+    for i, text in enumerate(sorted({t for c in commands for t in report.composed(c)})):
+        config = json.loads(text) | {"data_dir": "/data", "results_dir": "results", "force": False,
+                                     "logger": {"backends": []}}
+        method = names[config["method"]["_target_"]]
+        params = {k: v for k, v in config["method"].items() if k != "_target_"}
+        digest = f"{i:016x}"
+        rows = [{"config_hash": digest, "model": config["model"]["name"], "method": method,
+                 "task": config["task"]["name"], "data": {},
+                 "method_params": {"name": method, **params,
+                                   "size_params": sorted(figures.LEGACY_SIZE_PARAMS.get(method, set()))},
+                 "task_params": config["task"], "metrics": metrics, "config": config,
+                 "meta": {"git_commit": "0" * 40, "device": "cpu", "threads": 2, "wall_s": 10.0 + i % 7,
+                          "load_s": 5.0, "versions": {"torch": "2.13.0"}}}
+                for metrics in synthetic_metrics(method, params, config["task"], i)]
+        if rows and keep(i):
+            store.append_rows(path, digest, rows)
+
+
+def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
+    synthetic_store(tmp_path / "store")
+    out = regenerate(tmp_path / "gen", tmp_path / "store")
+    text = (out / "results.md").read_text()
+    missing = [s.title for s in report.SECTIONS
+               if "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
+    assert not missing, f"sections without a verdict from a store holding every config: {missing}"
+    assert "None: every stored run matches" in text
+    for section in report.SECTIONS:
+        if section.figure is not None:
+            assert (out / "report" / f"{section.slug}.png").exists(), section.slug
+
+
+def test_a_partial_store_still_renders_with_missing_configs_named(tmp_path):
+    """Every other config: every section renders (figures with lone points, a verdict or the rows it needs) and
+    names the commands of what is missing."""
+    synthetic_store(tmp_path / "store", keep=lambda i: i % 2 == 1)
+    text = (regenerate(tmp_path / "gen", tmp_path / "store") / "results.md").read_text()
+    assert text.count("Missing (run, then `make export report`)") >= len(report.SECTIONS) - 2
