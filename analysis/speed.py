@@ -223,3 +223,32 @@ def section(df: pd.DataFrame) -> str:
         lines += ["", "Modelled Fig. 14 point (every number modelled):", "", _table(fig14[keep].round(2))]
         lines += [""] + [f"- {c}" for c in claims(df)]
     return "\n".join(lines)
+
+
+def validation_verdict(df: pd.DataFrame) -> list[str]:
+    val = validation_rows(df)
+    if val.empty:
+        return ["not computed: no validation rows (python -m experiments.calibrate && "
+                "python -m experiments.validate_perf --results docs/store)"]
+    within = (val["ratio"] - 1).abs() <= 0.25
+    lines = [f"{int(within.sum())} of {len(val)} points within +-25% of what this machine measured; worst "
+             f"|modelled / measured - 1| = {(val['ratio'] - 1).abs().max():.2f}; modelled / measured: median "
+             f"{val['ratio'].median():.2f}, range {val['ratio'].min():.2f}-{val['ratio'].max():.2f}"]
+    for (b, p), part in val.groupby(["batch_size", "prompt_len"]):
+        lines.append(f"batch {int(b)}, prompt {int(p)}: median ratio {part['ratio'].median():.2f} over "
+                     f"{len(part)} methods")
+    return lines
+
+
+def fig14_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The modelled Fig. 14 point: each method's ms/token, its terms, speedup over offload and whether it fits."""
+    rows = modelled_rows(df)
+    if rows.empty:
+        return pd.DataFrame()
+    _, numbers = fig14_16_modelled(df)
+    fig14 = numbers[numbers["panel"] == "fig14"]
+    terms = rows[["label", "batch_size", "prompt_len", "model", *(t for t, _, _ in TERMS)]]
+    out = fig14.merge(terms, on=["label", "batch_size", "prompt_len", "model"], how="left").drop_duplicates("label")
+    out = out.rename(columns={"label": "method", "decode_ms_median": "ms/token"})
+    return out[["method", "model", "hardware", "batch_size", "prompt_len", "ms/token",
+                *(t for t, _, _ in TERMS), "speedup", "fits"]].round(2)

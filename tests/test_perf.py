@@ -119,7 +119,7 @@ def test_modelled_run_needs_no_weights_and_refuses_bad_input_before_anything(tmp
     assert "decode_ms_median" in done.stdout
     bad = subprocess.run(base + ["hardware=a6000_pcie3", "hardware.memory_gbps=0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=240)
-    assert bad.returncode == 2 and "hardware.memory_gbps must be a positive number" in bad.stderr
+    assert bad.returncode == 2 and "error: hardware.memory_gbps: must be a positive number" in bad.stderr
     assert "Traceback" not in bad.stderr
     missing = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert missing.returncode == 2 and "hardware is not set" in missing.stderr
