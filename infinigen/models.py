@@ -15,7 +15,10 @@ from pathlib import Path
 FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-ATTENTION_KERNELS = ("fused", "exact")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
+ATTENTION_KERNELS = ("fused", "exact")
+ARCH_NUMBERS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "ffn_dim", "vocab_size", "max_position_embeddings", "word_embed_proj_dim",
+                "rope_theta")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
 
 
 class ModelUnavailable(RuntimeError):
@@ -89,6 +92,12 @@ def validate_model(cfg) -> None:
     arch = cfg.get("arch") or {}
     if arch.get("model_type"):
         check_supported(arch["model_type"])
+    for key, value in arch.items():  # sizes and counts: a mistyped one fails only deep inside the model's build
+        if key in ARCH_NUMBERS and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                          or not value > 0
+                                                          or (isinstance(value, float) and key != "rope_theta")):
+            raise ValueError(f"model.arch.{key} must be a positive {'number' if key == 'rope_theta' else 'integer'}, "
+                             f"got {value!r}")
     if cfg.get("random_init") and not arch:
         raise ValueError(f"model {cfg.name!r}: random_init needs an `arch` section (the architecture to build)")
     if not cfg.get("random_init") and not (cfg.get("gguf_package") or cfg.get("hf_id") or cfg.get("local_path")):

@@ -31,7 +31,8 @@ def hf_decode_logits(model, ids, prompt):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = [model(ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
+    # the prefill's last row only, as decode mode asks for it (a 1-row LM head rounds unlike a 32-row one)
+    out = [model(ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
     for pos in range(prompt, ids.shape[1] - 1):
         out.append(model(ids[:, pos : pos + 1], cache=cache, use_cache=True).logits[:, -1])
     return torch.stack(out, dim=1).float()
