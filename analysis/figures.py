@@ -784,10 +784,6 @@ FIGURES: dict[str, Callable[[pd.DataFrame], tuple[Figure, pd.DataFrame]]] = {
     "needle_heatmap": needle_heatmap,
 }
 
-from analysis import speed  # noqa: E402  (it draws with this module's helpers, read at call time)
-
-FIGURES.update({"fig14_16_modelled": lambda df: speed.fig14_16_modelled(df),
-                "speed_validation": lambda df: speed.speed_validation(df)})
 
 
 def write(name: str, fig: Figure, numbers: pd.DataFrame, out: Path) -> list[Path]:

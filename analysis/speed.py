@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import figures as F  # analysis.figures lists this module's figures: names are read at call time
+from analysis import figures as F
 
 TERMS = [("compute_ms", "compute", "#4c72b0"), ("speculation_ms", "speculation", "#dd8452"),
          ("host_ms", "host gather (exposed)", "#937860"), ("exposed_transfer_ms", "link (exposed)", "#c44e52")]
