@@ -646,9 +646,9 @@ SECTIONS: list[Section] = [
             "The same model, with a profile calibrated here, predicts what the offloading runtime measures on this "
             "CPU (smollm2-135m; nine methods; prompts 1024 and 2048; batch 1 and 8). Goal: every point within "
             "+-25%.",
-            ("python -m experiments.calibrate && python -m experiments.validate_perf --results docs/store",),
-            S.validation_rows, S.validation_verdict, lambda rows: S.speed_validation(rows)[0],
-            note="Measured: the median decode step after a 2-step warm-up, median over rounds run round-robin over "
+            (), S.validation_rows, S.validation_verdict, lambda rows: S.speed_validation(rows)[0],
+            note="Rows from `python -m experiments.calibrate && python -m experiments.validate_perf --results "
+                 "docs/store` (not a run.py command). Measured: the median decode step after a 2-step warm-up, median over rounds run round-robin over "
                  "the points. On this 2-vCPU VM the same configuration measured 74-136 ms/token in processes "
                  "minutes apart, which bounds what any validation here can show."),
     Section("speculation", "Beyond the paper: the speculation input",

@@ -94,7 +94,7 @@ def validate_model(cfg) -> None:
         check_supported(arch["model_type"])
     for key, value in arch.items():  # sizes and counts: a mistyped one fails only deep inside the model's build
         if key in ARCH_NUMBERS and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                          or not value > 0
+                                                          or not (value >= 0 if key == "rope_theta" else value > 0)
                                                           or (isinstance(value, float) and key != "rope_theta")):
             raise ValueError(f"model.arch.{key} must be a positive {'number' if key == 'rope_theta' else 'integer'}, "
                              f"got {value!r}")

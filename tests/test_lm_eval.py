@@ -303,7 +303,8 @@ def test_smollm2_copa_matches_lm_eval_hflm(data_dir):
     for protocol in le.PROTOCOLS:
         lm = make_lm((model, tok), Full(), protocol, batch_size=2, max_length=None)  # None: the model's 8192
         got = [ll for ll, _ in lm.loglikelihood(reqs)]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-4, rtol=0)
+        # fp32 sums over a continuation: our LM head runs on the scored rows only, HFLM's on every row
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=5e-4, rtol=0)
     lm = make_lm((model, tok), RecentOnly(window=16), "paper", max_length=None)
     sparse = [ll for ll, _ in lm.loglikelihood(reqs)]
     assert max(abs(a - b) for a, b in zip(sparse, ref)) > 1e-2

@@ -75,7 +75,8 @@ def test_a_row_whose_config_changed_is_reported_stale_and_left_out(tmp_path, reg
     copy = tmp_path / "store"
     shutil.copytree(DOCS / "store", copy)
     path = next(p for p in sorted(store.rows_dir(copy).glob("*.jsonl"))
-                if json.loads(p.read_text().splitlines()[0])["method"] == "infinigen")
+                if json.loads(p.read_text().splitlines()[0])["method"] == "infinigen"
+                and "validation_point" not in json.loads(p.read_text().splitlines()[0])["metrics"])
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for row in rows:
         row["config"]["method"]["alpha"] = row["config"]["method"]["alpha"] + 1.5
@@ -197,8 +198,12 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     synthetic_store(tmp_path / "store")
     out = regenerate(tmp_path / "gen", tmp_path / "store")
     text = (out / "results.md").read_text()
-    missing = [s.title for s in report.SECTIONS
-               if "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
+    # the speed sections read the performance model's own metrics (terms, validation ratios), which synthetic
+    # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
+    # (tests/test_figures.py)
+    own_rows = {"c7_modelled", "c7_validation", "c4_skewing"}
+    missing = [s.title for s in report.SECTIONS if s.slug not in own_rows
+               and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
     assert "None: every stored run matches" in text
     for section in report.SECTIONS:
