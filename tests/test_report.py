@@ -207,7 +207,7 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
     assert "None: every stored run matches" in text
     for section in report.SECTIONS:
-        if section.figure is not None:
+        if section.figure is not None and section.slug not in own_rows:
             assert (out / "report" / f"{section.slug}.png").exists(), section.slug
 
 
