@@ -10,7 +10,9 @@ Each measurement is a fresh process, so its peak RSS (the kernel's ru_maxrss, re
   `model(ids)` of L tokens with its SDPA attention (what the model itself needs to score L tokens: its logits
   included); `loaded` is the RSS of that process before the forward (model, libraries).
 Prints one row per length and the slope of each column from the shortest to the longest length in MB/token, and
-the ppl of each run. RSS does not depend on the machine's load, time does: run it on an idle machine or with
+the ppl of each run; with `--results DIR` each length is also a row of that store (task `memory`), which
+`make report` turns into the evaluation-memory section of docs/results.md (`--results docs/store` for the
+committed copy). RSS does not depend on the machine's load, time does: run it on an idle machine or with
 `nice`, one measurement at a time (this script never runs two at once).
 """
 
@@ -34,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--method", default="full", help="conf/method name of the ppl runs")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--results", default=None, help="also write one row per length into this results store")
     p.add_argument("--forward-child", type=int, default=None, help=argparse.SUPPRESS)  # internal: one forward
     return p.parse_args(argv)
 
@@ -94,6 +97,33 @@ def forward_child(model_name: str, length: int, data_dir: str) -> None:
     print("LOADED_RSS_KB", loaded, float(nll.exp()), flush=True)
 
 
+def write_row(results: str, args, length: int, task_rss: int, fwd_rss: int, loaded: int, task_ppl: float,
+              fwd_ppl: float) -> None:
+    """One store row: the peak RSS of the ppl task and of the model's own forward at `length` tokens."""
+    import hashlib
+    import platform
+    from datetime import datetime, timezone
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from analysis import store
+    from experiments import runner
+
+    config = {"benchmark": "memory", "model": args.model, "method": args.method, "seq_len": length,
+              "dataset": "wikitext2"}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    metrics = {"benchmark": "memory", "seq_len": length, "task_peak_gb": task_rss / 1e9,
+               "forward_peak_gb": fwd_rss / 1e9, "loaded_gb": loaded / 1e9, "ppl": task_ppl, "forward_ppl": fwd_ppl}
+    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": "cpu",
+            "threads": torch.get_num_threads(), "host": platform.node(),
+            "finished": datetime.now(timezone.utc).isoformat()}
+    row = {"config_hash": digest, "model": args.model, "method": args.method, "task": "memory", "data": {},
+           "method_params": {"name": args.method}, "task_params": {"name": "memory", "seq_len": length},
+           "metrics": metrics, "config": config, "meta": meta}
+    store.append_rows(results, digest, [row])
+
+
 def slope(lengths: list[int], values: list[float]) -> float:
     """MB per token from the shortest to the longest length."""
     return (values[-1] - values[0]) / (lengths[-1] - lengths[0]) / MB
@@ -115,6 +145,8 @@ def main(argv=None) -> None:
         rows.append((task_rss, fwd_rss))
         print(f"{length:>7} {task_rss / 1e9:>12.2f} {fwd_rss / 1e9:>11.2f} {loaded / 1e9:>10.2f} {task_ppl:>12.6f} "
               f"{fwd_ppl:>14.6f}", flush=True)
+        if args.results:
+            write_row(args.results, args, length, task_rss, fwd_rss, loaded, task_ppl, fwd_ppl)
     if len(lengths) > 1:
         print(f"slope {lengths[0]}..{lengths[-1]} tokens: ppl task {slope(lengths, [r[0] for r in rows]):.3f} MB/token, "
               f"forward {slope(lengths, [r[1] for r in rows]):.3f} MB/token")
