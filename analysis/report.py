@@ -254,6 +254,49 @@ def cost_bars(rows: pd.DataFrame, title: str) -> Figure:
 # ----------------------------------------------------------------------------------------------- sections
 
 
+def memory_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows[F.column(rows, "metrics.benchmark") == "memory"]
+
+
+def memory_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = pd.DataFrame({"model": rows["model"], "method": rows["method"],
+                        "tokens": F.metric(rows, "seq_len").astype(int),
+                        "ppl task peak GB": F.metric(rows, "task_peak_gb").round(3),
+                        "model forward peak GB": F.metric(rows, "forward_peak_gb").round(3),
+                        "loaded GB": F.metric(rows, "loaded_gb").round(3),
+                        "ppl (task)": F.metric(rows, "ppl").round(6), "ppl (forward)": F.metric(rows, "forward_ppl").round(6)})
+    return out.sort_values(["model", "method", "tokens"]).reset_index(drop=True)
+
+
+def memory_verdict(rows: pd.DataFrame) -> list[str]:
+    data = memory_table(rows)
+    if data["tokens"].nunique() < 2:
+        return needs("memory rows at two or more lengths")
+    lo, hi = data.iloc[data["tokens"].idxmin()], data.iloc[data["tokens"].idxmax()]
+    span = (hi["tokens"] - lo["tokens"]) * 1e-3  # GB per token -> MB per token
+
+    def slope(column: str) -> str:
+        return num((hi[column] - lo[column]) / span)
+
+    return [f"peak RSS at {hi['tokens']} tokens: ppl task {num(hi['ppl task peak GB'])} GB, the model's own forward "
+            f"{num(hi['model forward peak GB'])} GB; growth {lo['tokens']}..{hi['tokens']} tokens: ppl task "
+            f"{slope('ppl task peak GB')} MB/token, forward {slope('model forward peak GB')} MB/token",
+            f"perplexity, task vs forward: largest |difference| {num((data['ppl (task)'] - data['ppl (forward)']).abs().max())}"]
+
+
+def memory_figure(rows: pd.DataFrame) -> Figure:
+    data = memory_table(rows)
+    fig, axes = F.grid(1, size=(6.0, 3.6))
+    for column, style in (("ppl task peak GB", "-o"), ("model forward peak GB", "--s"), ("loaded GB", ":")):
+        axes[0].plot(data["tokens"], data[column], style, label=column.replace(" GB", ""))
+    axes[0].set(xlabel="tokens in the window", ylabel="peak RSS (GB)", xscale="log")
+    axes[0].set_xticks(data["tokens"].tolist(), [str(t) for t in data["tokens"]])
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("evaluation memory: ppl task vs the model's own forward (smollm2-135m, CPU)")
+    return fig
+
+
 @dataclass(frozen=True)
 class Section:
     slug: str
@@ -264,6 +307,8 @@ class Section:
     verdict: Callable[[pd.DataFrame], list[str]]
     figure: Callable[[pd.DataFrame], Figure] | None = None
     note: str = ""
+    # a section fed by a script (not a run.py command): selects its rows among the store's script rows
+    script: Callable[[pd.DataFrame], pd.DataFrame] | None = None
 
 
 def figure_of(name: str) -> Callable[[pd.DataFrame], Figure]:
@@ -647,6 +692,7 @@ SECTIONS: list[Section] = [
             "CPU (smollm2-135m; nine methods; prompts 1024 and 2048; batch 1 and 8). Goal: every point within "
             "+-25%.",
             (), S.validation_rows, S.validation_verdict, lambda rows: S.speed_validation(rows)[0],
+            script=lambda rows: rows[F.column(rows, "metrics.validation_point").notna()],
             note="Rows from `python -m experiments.calibrate && python -m experiments.validate_perf --results "
                  "docs/store` (not a run.py command). Measured: the median decode step after a 2-step warm-up, median over rounds run round-robin over "
                  "the points. On this 2-vCPU VM the same configuration measured 74-136 ms/token in processes "
@@ -677,6 +723,17 @@ SECTIONS: list[Section] = [
             note="Wall time as the rows record it (meta.wall_s - meta.load_s), one run per setting. The committed "
                  "rows ran on a 2-core CPU shared with other jobs, which at times paused them: their ratios say "
                  "little about cost. `make bench` measures it in one quiet process (docs/scaling.md)."),
+    Section("memory", "Beyond the paper: evaluation memory along the sequence",
+            "Scoring a window never forms its (t, vocab) logits: the LM head runs over blocks of rows "
+            "(infinigen/modes.py, LOGIT_BLOCK logits at a time), so a perplexity run's peak memory is the model, "
+            "the attention working set (linear in t) and one block of logits, below the model's own forward, whose "
+            "(t, vocab) logits grow with t.",
+            (), memory_table, memory_verdict, memory_figure, script=memory_rows,
+            note="Rows from `python experiments/bench_memory.py --results docs/store` (not a run.py command): "
+                 "peak RSS of one process each (the kernel's ru_maxrss), the ppl task through run.py (method=full, "
+                 "one WikiText-2 window: sim forward, log-probs, the decode-mode cache measurement) and one plain "
+                 "transformers SDPA forward of the same tokens with its logits; `loaded` is that process before "
+                 "its forward. RSS does not depend on the machine's load."),
 ]
 
 
@@ -751,17 +808,19 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     out = Path(out)
     df = load(store_dir)
     verdicts: dict[str, list[str]] = {}
-    # the performance model's validation rows come from experiments/validate_perf.py, not from a run.py command
-    checked = F.column(df, "metrics.validation_point").notna() if not df.empty else pd.Series(dtype=bool)
-    validation, df = (df[checked], df[~checked]) if not df.empty else (df, df)
-    commands = list(dict.fromkeys(c for s in SECTIONS if s.slug != "c7_validation" for c in s.commands))
+    # rows written by scripts (experiments/validate_perf.py, bench_memory.py), not by a run.py command
+    scripted = (F.column(df, "metrics.validation_point").notna() | F.column(df, "metrics.benchmark").notna()
+                if not df.empty else pd.Series(dtype=bool))
+    script_rows, df = (df[scripted], df[~scripted]) if not df.empty else (df, df)
+    commands = list(dict.fromkeys(c for s in SECTIONS for c in s.commands))
     stale = stale_rows(df, commands)
     fresh = df[~df["_file"].isin({line.split("`")[1] for line in stale})] if stale else df
     body = []
     for section in SECTIONS:
-        if section.slug == "c7_validation":
-            n = int(S.validation_rows(validation).shape[0])
-            matched = Matched(validation, {}, n, n)
+        if section.script is not None:
+            rows = section.script(script_rows) if not script_rows.empty else script_rows
+            n = int(section.table(rows).shape[0]) if not rows.empty else 0
+            matched = Matched(rows, {}, n, n)
         else:
             matched = match(fresh, section.commands)
         verdicts[section.slug] = verdict(section, matched.rows)

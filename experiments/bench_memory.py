@@ -110,8 +110,8 @@ def write_row(results: str, args, length: int, task_rss: int, fwd_rss: int, load
     from analysis import store
     from experiments import runner
 
-    config = {"benchmark": "memory", "model": args.model, "method": args.method, "seq_len": length,
-              "dataset": "wikitext2"}
+    config = {"benchmark": "memory", "model": {"name": args.model}, "method": {"name": args.method},
+              "task": {"name": "ppl", "seq_len": length, "max_windows": 1, "dataset": "wikitext2"}}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     metrics = {"benchmark": "memory", "seq_len": length, "task_peak_gb": task_rss / 1e9,
                "forward_peak_gb": fwd_rss / 1e9, "loaded_gb": loaded / 1e9, "ppl": task_ppl, "forward_ppl": fwd_ppl}

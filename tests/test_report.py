@@ -201,7 +201,7 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     # the speed sections read the performance model's own metrics (terms, validation ratios), which synthetic
     # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
     # (tests/test_figures.py)
-    own_rows = {"c7_modelled", "c7_validation", "c4_skewing"}
+    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory"}
     missing = [s.title for s in report.SECTIONS if s.slug not in own_rows
                and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
@@ -217,3 +217,20 @@ def test_a_partial_store_still_renders_with_missing_configs_named(tmp_path):
     synthetic_store(tmp_path / "store", keep=lambda i: i % 2 == 1)
     text = (regenerate(tmp_path / "gen", tmp_path / "store") / "results.md").read_text()
     assert text.count("Missing (run, then `make export report`)") >= len(report.SECTIONS) - 2
+
+
+def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
+    """Script rows (task memory) feed their own section, never the stale check of run.py commands."""
+    from types import SimpleNamespace
+
+    from experiments import bench_memory
+
+    args = SimpleNamespace(model="smollm2-135m", method="full")
+    for tokens, task_gb, forward_gb in ((1024, 1.3, 1.6), (8192, 1.65, 5.2)):
+        bench_memory.write_row(str(tmp_path / "store"), args, tokens, int(task_gb * 1e9), int(forward_gb * 1e9),
+                               int(1.2e9), 14.0851, 14.0849)
+    text = (regenerate(tmp_path / "gen", tmp_path / "store", figures=False) / "results.md").read_text()
+    section = text.split("## Beyond the paper: evaluation memory along the sequence", 1)[1]
+    assert ("peak RSS at 8192 tokens: ppl task 1.65 GB, the model's own forward 5.2 GB; growth 1024..8192 tokens: "
+            "ppl task 0.0488 MB/token, forward 0.502 MB/token") in section
+    assert "None: every stored run matches" in text
