@@ -2,6 +2,7 @@
 PY        ?= .venv/bin/python
 DATA_DIR  ?= ../shared/data
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 SMOKE_RESULTS ?= results/smoke
 SMOKE ?= $(sort $(basename $(notdir $(wildcard conf/experiment/*_smoke.yaml conf/experiment/*_modelled.yaml))))
 export HF_HUB_OFFLINE ?= 1
@@ -27,10 +28,10 @@ run: install  ## default experiment: smollm2-135m, full attention, WikiText-2 pe
 	$(PY) run.py model=smollm2-135m method=full task=ppl data_dir=$(DATA_DIR)
 
 test: install  ## the whole suite (slow-marked checks included), as CI runs it
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: install  ## the suite without slow-marked checks
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-135m (prints ratios)
 	$(PY) experiments/bench_sim.py

@@ -13,8 +13,11 @@ What it measures (median of --repeats, at torch's thread count here):
   gather_gbps        torch.gather of rows out of a 25 MB cache (source + index + output bytes per second)
   host_gbps          rows of a 256 MB pool gathered by index_select (bytes read + written per second)
   device_memory_gib  this machine's memory
-  dispatch           stand_in: the performance model times each method's own code per segment on a zero-width
-                     stand-in here (op costs differ by op; launch_us above is only their mean for full attention)
+  dispatch           stand_in: the performance model times each method's own code per segment on a stand-in here:
+                     at zero width (what dispatching its ops costs; launch_us above is only their mean for full
+                     attention), and at the model's real heads and head_dim at two context lengths (what each
+                     token of context costs that method here: census `context_seconds`). copy_gbps and gather_gbps
+                     are then reported, not used: one bandwidth would price a 4-bit unpack like a copy
 On a CPU the host is the device: h2d_gbps and d2h_gbps are null (nothing crosses a link).
 """
 

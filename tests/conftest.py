@@ -28,7 +28,9 @@ def variants(name: str) -> list[dict]:
     return [{}, *method_class(name).test_variants]
 
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# under pytest-xdist (`make test` runs one worker per core) each worker computes on one thread: two workers
+# with two threads each would oversubscribe the cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, torch.get_num_threads()))
 
 
 def model_cfg(name: str, **overrides):

@@ -84,7 +84,7 @@ def test_prefetch_hides_a_fetch_behind_the_previous_layer():
     kinds = ["resident"] + ["gather"] * (shape.layers - 1)
     fractions = [1.0] + [0.1] * (shape.layers - 1)
     zero = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
-    runs = {name: perf.decode_steps(m, cfg, hw, "auto", 8, 1920, 3, fractions, zero, zero, zero)[-1]
+    runs = {name: perf.decode_steps(m, cfg, hw, "auto", 8, 1920, 3, fractions, zero, zero)[-1]
             for name, m in (("ahead", ahead), ("sync", sync))}
     assert kinds == perf.plan(ahead, shape, "auto", 1923).kinds
     assert runs["ahead"]["h2d_bytes"] == runs["sync"]["h2d_bytes"]
@@ -123,3 +123,26 @@ def test_modelled_run_needs_no_weights_and_refuses_bad_input_before_anything(tmp
     assert "Traceback" not in bad.stderr
     missing = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert missing.returncode == 2 and "hardware is not set" in missing.stderr
+
+
+def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_bytes(monkeypatch):
+    """A CPU profile calibrated here (dispatch: stand_in) takes each method's context-proportional seconds from
+    its code timed here; a GPU profile prices the census's bytes at its copy and gather rates."""
+    from infinigen.offload import census
+
+    asked = []
+
+    def fake(model_cfg, method, runtime, batch, kinds, measure="ops"):
+        asked.append(measure)
+        value = {"stream": 2e9, "indexed": 1e9, "context_seconds": 7e-6}.get(measure, 1.0)
+        return [dict.fromkeys(census.SEGMENTS, value) for _ in range(len(kinds) + 1)]
+
+    monkeypatch.setattr(census, "census", fake)
+    cfg, kinds = model_cfg("smollm2-135m"), ["resident"] * 30
+    gpu = perf.hardware(profile())
+    priced = perf.context_seconds(gpu, cfg, method_from_conf("full"), "auto", 1, kinds)
+    assert priced[0]["attention"] == pytest.approx(2 / gpu.copy_gbps + 1 / gpu.gather_gbps)
+    assert asked == ["stream", "indexed"]
+    local = perf.hardware(profile(dispatch="stand_in"))
+    assert perf.context_seconds(local, cfg, method_from_conf("full"), "auto", 1, kinds)[0]["attention"] == 7e-6
+    assert asked[-1] == "context_seconds"

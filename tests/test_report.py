@@ -51,6 +51,10 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
     committed = report.HEADLINE.search((ROOT / "README.md").read_text())
     assert committed, "README.md lost its <!-- report:headline --> block"
     assert made.group(2) == committed.group(2), "README headline differs from docs/store: run `make report`"
+    blocks = {m.group(2): m.group(3) for m in report.BLOCK.finditer((ROOT / "README.md").read_text())}
+    assert set(blocks) == {"headline", "memory"}
+    for m in report.BLOCK.finditer((regenerated.parent / "README.md").read_text()):
+        assert m.group(3) == blocks[m.group(2)], f"README block {m.group(2)} differs from docs/store: make report"
     numbers = re.findall(r"\d+\.\d+", committed.group(2))
     assert numbers, "the headline paragraph quotes no number"
     results = (DOCS / "results.md").read_text()
@@ -60,7 +64,7 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
 def test_readme_is_a_guide():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 350
-    outside = report.HEADLINE.sub("", text)
+    outside = report.BLOCK.sub("", text)
     pasted = [line for line in outside.splitlines()
               if line.startswith("|") and re.search(r"\|\s*-?\d+\.\d+\s*\|", line)]
     assert not pasted, f"result rows pasted into the README (they belong in docs/results.md): {pasted[:3]}"

@@ -9,6 +9,10 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
   indexed  the same for indexed ops (gather, index_select, scatter, ...): random access, priced at a gather rate
   seconds  for a profile of this machine (dispatch: stand_in): each segment's time here on the stand-in, where
            the arithmetic is negligible: what dispatching this method's ops costs (CPU op costs differ by op)
+  context_seconds  for the same profile: each segment's seconds per (batch row, context token), timed here on
+           the stand-in at the model's real heads and head_dim at two context lengths: what the method's
+           context-proportional work costs on this machine (dequantising, scoring, copying, attending), where one
+           bandwidth would price every op alike (a CPU runs a 4-bit unpack far slower per byte than a copy)
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -34,6 +39,7 @@ from infinigen.offload.runtime import OffloadRuntime
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 CENSUS_PROMPT, CENSUS_STEPS = 64, 5
+CONTEXT_PROMPTS = (256, 1024)  # context lengths of the context_seconds slope
 CACHE = Path(".cache/infinigen/census")
 
 
@@ -59,11 +65,11 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def stand_in_arch(arch: dict, layers: int, head_dim: int = 16) -> dict:
+def stand_in_arch(arch: dict, layers: int, head_dim: int = 16, positions: int = 256) -> dict:
     """The model's structure at toy width: same family, heads, KV heads and layer pattern."""
     heads = int(arch["num_attention_heads"])
     out = {"model_type": arch["model_type"], "num_hidden_layers": layers, "num_attention_heads": heads,
-           "vocab_size": 128, "max_position_embeddings": 256}
+           "vocab_size": 128, "max_position_embeddings": positions}
     if arch["model_type"] == "opt":
         out.update(hidden_size=heads * head_dim, ffn_dim=32, word_embed_proj_dim=heads * head_dim)
     else:
@@ -129,7 +135,9 @@ def _cached(ident: list, compute) -> list[dict]:
         return json.loads(path.read_text())
     value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # atomic: concurrent runs (test workers) never read half
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
     return value
 
 
@@ -148,6 +156,17 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
     if measure == "seconds":  # this machine's time per segment at zero width: dispatch and the code's Python
         ident += [min(batch, 2), platform.node(), torch.get_num_threads()]
         return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, min(batch, 2), n, measure)), kinds)
+    if measure == "context_seconds":
+        ident += [d, CONTEXT_PROMPTS, platform.node(), torch.get_num_threads()]
+
+        def timed():
+            lo, hi = CONTEXT_PROMPTS
+            at = {p: _count(model_cfg, method, runtime, 1, n, "seconds", prompt=p, head_dim=d, repeats=5)
+                  for p in (lo, hi)}
+            return [{seg: max(0.0, (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo)) for seg in SEGMENTS}
+                    for i in range(n + 1)]
+
+        return _spread(_cached(ident, timed), kinds)
 
     def slopes():
         at = {(p, w): _count(model_cfg, method, runtime, 1, n, measure, prompt=p, head_dim=w)
@@ -171,9 +190,10 @@ def _params(method) -> dict:
 
 
 def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
-           head_dim: int = 16) -> list[dict]:
+           head_dim: int = 16, repeats: int = 3) -> list[dict]:
+    arch = stand_in_arch(dict(model_cfg.arch), layers, head_dim, positions=max(256, 2 * (prompt + CENSUS_STEPS)))
     cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
-                            "seed": 0, "arch": stand_in_arch(dict(model_cfg.arch), layers, head_dim)})
+                            "seed": 0, "arch": arch})
     model, _ = adapter.load(cfg, device="cpu")
     method = dataclasses.replace(method)  # a fresh instance: binding calibrates it on the stand-in
     ids = torch.randint(0, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
@@ -181,7 +201,7 @@ def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: st
         rt = OffloadRuntime(model, method, runtime=runtime, clock=time.perf_counter)
         rt.generate(ids, CENSUS_STEPS)  # warm-up
         steps = []
-        for _ in range(3):
+        for _ in range(repeats):
             rt.generate(ids, CENSUS_STEPS)
             steps += [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]
     else:

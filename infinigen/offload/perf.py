@@ -230,10 +230,10 @@ class Segments:
 
 
 def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: int, seen: int, attended: float,
-               stream: dict, indexed: dict) -> Segments:
+               context_s: dict) -> Segments:
     """Roofline seconds of layer i's segments at a step where `seen` tokens exist and each (row, KV head) attends
-    `attended` entries (itself included). Weights and FLOPs from the shapes; the bytes that grow with the context
-    (`stream`, `indexed`: per batch row and context token, from the census) at the memory / gather rate."""
+    `attended` entries (itself included). Weights and FLOPs from the shapes; what grows with the context
+    (`context_s`: seconds per batch row and context token per segment, `context_seconds`) on top."""
     b, e, d, h = batch, shape.elem, shape.head_dim, shape.heads
     q_w = shape.hidden * h * d
     kv_w = 2 * shape.hidden * shape.kv_heads * d
@@ -241,9 +241,8 @@ def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: i
 
     def seg(name: str, flops: float, weights: float) -> float:
         # matmuls over the weights at the roofline; what the context adds (attention's copies, scores, the
-        # method's per-entry state) at the rate such ops reach, and indexed ops at the gather rate
-        return (roofline(hw, flops, weights * e) + ctx * stream[name] / (hw.copy_gbps * 1e9)
-                + ctx * indexed[name] / (hw.gather_gbps * 1e9))
+        # method's per-entry state) on top
+        return roofline(hw, flops, weights * e) + ctx * context_s[name]
 
     out = Segments()
     out.projections = roofline(hw, 2 * b * (q_w + kv_w), (q_w + kv_w) * e)
@@ -334,13 +333,13 @@ def attended_entries(method, plan_: Plan, i: int, seen: int, selected: float) ->
 
 
 def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
-                 fractions: list[float] | None, dispatch: list[dict], stream: list[dict],
-                 indexed: list[dict]) -> list[dict]:
+                 fractions: list[float] | None, dispatch: list[dict], context_s: list[dict]) -> list[dict]:
     """Each decode step's modelled seconds and breakdown, replaying OffloadedMethod's order of events: a layer's
     fetch is issued at the previous layer's attention start (held, and gathers speculated at attention_start; the
     next step's layer 0 at the last layer for held), at its attention end (attention_end), or by the layer itself
     before its attention (query, or nothing issued it earlier); the layer's attention waits for it. `dispatch`:
-    per layer (and the step's own last) {segment: seconds} of dispatch (`dispatch_seconds`)."""
+    per layer (and the step's own last) {segment: seconds} of dispatch (`dispatch_seconds`); `context_s`: per layer
+    {segment: seconds per batch row and context token} (`context_seconds`)."""
     shape = Shape.of(model_cfg)
     p = plan(method, shape, runtime, prompt_len + gen_len)
     link, clock = Link(hw), Clock(overlap=not hw.host_is_device)
@@ -354,7 +353,7 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
         sel = selected_counts(fractions, p, seen)
         nbytes = step_bytes(method, shape, p, batch, past, prompt_len, sel)
         work = [layer_work(hw, shape, p, method, j, batch, seen, attended_entries(method, p, j, seen, sel[j]),
-                           stream[j], indexed[j]) for j in range(L)]
+                           context_s[j]) for j in range(L)]
         t0, busy0, link0 = max(clock.host, clock.device), dict(clock.busy), link.busy_s
         def issue(j: int) -> None:
             if p.kinds[j] == "gather":  # the selection on the compute stream, then its indices reach the host
@@ -397,17 +396,29 @@ def dispatch_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, 
     return [{seg: n * hw.launch_us * 1e-6 for seg, n in layer.items()} for layer in ops]
 
 
+def context_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> list[dict]:
+    """Per layer {segment: seconds per (batch row, context token)}. A profile of this machine (dispatch: stand_in)
+    times the method's code at two context lengths here; any other prices the bytes the census counts that grow
+    with the context: streamed at the profile's copy rate, indexed at its gather rate."""
+    from infinigen.offload import census
+
+    if hw.dispatch == "stand_in":
+        return census.census(model_cfg, method, runtime, batch, kinds, measure="context_seconds")
+    stream, indexed = (census.census(model_cfg, method, runtime, batch, kinds, measure=m) for m in ("stream", "indexed"))
+    return [{seg: s[seg] / (hw.copy_gbps * 1e9) + x[seg] / (hw.gather_gbps * 1e9) for seg in s}
+            for s, x in zip(stream, indexed)]
+
+
 def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, prompt_len: int, gen_len: int,
                    fractions: list[float] | None) -> list[dict]:
     """decode_steps with the census of the method's code (cached after the first call per configuration)."""
-    from infinigen.offload import census
     from infinigen.offload.runtime import layer_kind
 
     shape = Shape.of(model_cfg)
     kinds = [layer_kind(method, shape.layer(i), runtime) for i in range(shape.layers)]
     dispatch = dispatch_seconds(hw, model_cfg, method, runtime, batch, kinds)
-    stream, indexed = (census.census(model_cfg, method, runtime, batch, kinds, measure=m) for m in ("stream", "indexed"))
-    return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch, stream, indexed)
+    return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch,
+                        context_seconds(hw, model_cfg, method, runtime, batch, kinds))
 
 
 def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_len: int) -> float:
