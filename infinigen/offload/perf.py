@@ -422,13 +422,13 @@ def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, pr
 
 
 def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_len: int) -> float:
-    """Dense prefill (all layers' matmuls and causal attention, logits for every position) plus the offloaded
+    """Dense prefill (all layers' matmuls and causal attention, logits for the last position) plus the offloaded
     layers' KV written to the host, each write overlapped with the next layer's compute."""
     b, P, e = batch, prompt_len, shape.elem
     per_layer = roofline(hw, 2 * b * P * (shape.attn_weights + shape.ffn_weights)
                          + 2 * b * shape.heads * P * P * shape.head_dim,
                          (shape.attn_weights + shape.ffn_weights) * e + 12 * b * P * shape.hidden * e)
-    head = roofline(hw, 2 * b * P * shape.hidden * shape.vocab, (shape.hidden + b * P) * shape.vocab * e)
+    head = roofline(hw, 2 * b * shape.hidden * shape.vocab, (shape.hidden + b) * shape.vocab * e)
     if hw.host_is_device:
         return shape.layers * per_layer + head
     t = 0.0

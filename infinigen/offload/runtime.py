@@ -247,7 +247,9 @@ class OffloadRuntime:
                                  max_len=max_len) as session:
                 self._sync()
                 t0 = time.perf_counter()
-                logits = self.model(input_ids, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+                # the last row only, as decode mode's prefill: no (b, P, vocab) logits (3.2 GB at b=8, P=2048)
+                logits = self.model(input_ids, position_ids=pos, cache=cache, use_cache=True,
+                                    logits_to_keep=1).logits[:, -1]
                 self._sync()
                 prefill_s = time.perf_counter() - t0
                 position = pos[:, -1:] + 1
