@@ -3,9 +3,11 @@
     python -m experiments.calibrate                 # writes conf/hardware/local.yaml (hardware=local)
 
 What it measures (median of --repeats, at torch's thread count here):
-  matmul_tflops      8 rows through 64 distinct 1024x1024 weights (nn.Linear): decode-shaped matmuls, not a
-                     square GEMM's peak (skinny matmuls reach a fraction of it on a CPU)
-  memory_gbps        1 row through the same 256 MB of weights: how a decode step streams a model
+  matmul_tflops      8 rows through distinct weights of the model's own shapes (--model: every layer's
+                     projections and MLP, and the LM head; nn.Linear): decode-shaped matmuls, not a square GEMM's
+                     peak (skinny matmuls reach a fraction of it on a CPU)
+  memory_gbps        1 row through the same weights: how a decode step streams that model (a CPU streams a
+                     576-wide projection at well under the rate of a 1024-wide one: per-call costs, threading)
   launch_us          the offloading runtime's own decode step on a 16-wide stand-in of smollm2-135m (full
                      attention): seconds per step / ops it dispatched (dispatch + the harness's Python per op)
   copy_gbps          the runtime's decode attention (full, real heads and head_dim, 256 vs 1024 tokens of context):
@@ -58,14 +60,22 @@ def best(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _weights(dtype=torch.float32) -> list[torch.Tensor]:
-    """64 distinct (out, in) weights of 4 MB (fp32): 256 MB streamed from memory, as a decode step reads a model."""
-    return [torch.randn(1024, 1024, dtype=dtype) for _ in range(64)]
+def _weights(model: str, dtype=torch.float32) -> list[torch.Tensor]:
+    """Distinct (out, in) weights of the model's shapes, as a decode step reads them (random values)."""
+    from omegaconf import OmegaConf
+
+    from infinigen.offload.perf import Shape
+
+    shape = Shape.of(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"))
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layer = [(q, shape.hidden), (kv, shape.hidden), (kv, shape.hidden), (shape.hidden, q)]
+    layer += [(shape.ffn, shape.hidden)] * (shape.ffn_matrices - 1) + [(shape.hidden, shape.ffn)]
+    return [torch.randn(o, i, dtype=dtype) for o, i in layer * shape.layers + [(shape.vocab, shape.hidden)]]
 
 
 def _linear_s(weights: list[torch.Tensor], batch: int, repeats: int) -> float:
-    x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
-    return best(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    return best(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], repeats)
 
 
 def matmul_tflops(repeats: int, weights: list[torch.Tensor]) -> float:
@@ -156,11 +166,12 @@ def memory_gib() -> float:
         return 16.0
 
 
-def calibrate(repeats: int = 5) -> dict:
-    weights = _weights()
+def calibrate(repeats: int = 5, model: str = "smollm2-135m") -> dict:
+    weights = _weights(model)
     return {
         "name": "local",
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "weights_of": model,
         "matmul_tflops": round(matmul_tflops(repeats, weights), 5),
         "memory_gbps": round(memory_gbps(repeats, weights), 3),
         "h2d_gbps": None,
@@ -179,8 +190,11 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "conf" / "hardware" / "local.yaml"))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="smollm2-135m", help="conf/model whose weight shapes the matmul rates use")
     args = p.parse_args(argv)
-    profile = calibrate(args.repeats)
+    if not (ROOT / "conf" / "model" / f"{args.model}.yaml").is_file():
+        sys.exit(f"error: --model: conf/model/{args.model}.yaml does not exist")
+    profile = calibrate(args.repeats, args.model)
     import yaml
 
     text = "# Measured on this machine by `python -m experiments.calibrate` (a CPU: the host is the device).\n"

@@ -40,6 +40,7 @@ from infinigen.offload.runtime import OffloadRuntime
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 CENSUS_PROMPT, CENSUS_STEPS = 64, 5
 CONTEXT_PROMPTS = (256, 1024)  # context lengths of the context_seconds slope
+TIMED_REPEATS = 7  # runs of the stand-in per timed census (the median of their steady steps)
 CACHE = Path(".cache/infinigen/census")
 
 
@@ -148,7 +149,7 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
     context token), at the real head_dim: see the module doc)."""
     steady, n = _steady(kinds)
     ident = [type(method).__name__, _params(method), runtime, stand_in_arch(dict(model_cfg.arch), n), measure,
-             torch.__version__]
+             torch.__version__] + ([TIMED_REPEATS] if "seconds" in measure else [])
     d = int(dict(model_cfg.arch).get("head_dim") or model_cfg.arch.hidden_size // model_cfg.arch.num_attention_heads)
     if measure == "ops":
         return _spread(_cached(ident + [min(batch, 2)], lambda: _count(model_cfg, method, runtime, min(batch, 2), n,
@@ -161,7 +162,7 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
 
         def timed():
             lo, hi = CONTEXT_PROMPTS
-            at = {p: _count(model_cfg, method, runtime, 1, n, "seconds", prompt=p, head_dim=d, repeats=5)
+            at = {p: _count(model_cfg, method, runtime, 1, n, "seconds", prompt=p, head_dim=d)
                   for p in (lo, hi)}
             return [{seg: max(0.0, (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo)) for seg in SEGMENTS}
                     for i in range(n + 1)]
@@ -190,7 +191,7 @@ def _params(method) -> dict:
 
 
 def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
-           head_dim: int = 16, repeats: int = 3) -> list[dict]:
+           head_dim: int = 16) -> list[dict]:
     arch = stand_in_arch(dict(model_cfg.arch), layers, head_dim, positions=max(256, 2 * (prompt + CENSUS_STEPS)))
     cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
                             "seed": 0, "arch": arch})
@@ -201,7 +202,7 @@ def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: st
         rt = OffloadRuntime(model, method, runtime=runtime, clock=time.perf_counter)
         rt.generate(ids, CENSUS_STEPS)  # warm-up
         steps = []
-        for _ in range(repeats):
+        for _ in range(TIMED_REPEATS):
             rt.generate(ids, CENSUS_STEPS)
             steps += [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]
     else:
