@@ -10,7 +10,7 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
   seconds  for a profile of this machine (dispatch: stand_in): each segment's time here on the stand-in, where
            the arithmetic is negligible: what dispatching this method's ops costs (CPU op costs differ by op)
   context_seconds  for the same profile: each segment's seconds per (batch row, context token), timed here on
-           the stand-in at the model's real heads and head_dim at two context lengths: what the method's
+           the stand-in at the model's real heads and head_dim at two context lengths and the run's batch (up to 8): what the method's
            context-proportional work costs on this machine (dequantising, scoring, copying, attending), where one
            bandwidth would price every op alike (a CPU runs a 4-bit unpack far slower per byte than a copy)
 
@@ -158,13 +158,16 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
         ident += [min(batch, 2), platform.node(), torch.get_num_threads()]
         return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, min(batch, 2), n, measure)), kinds)
     if measure == "context_seconds":
-        ident += [d, CONTEXT_PROMPTS, platform.node(), torch.get_num_threads()]
+        # at the run's batch (up to 8): a CPU's caches hold one row's KV and not eight, so the cost per
+        # (row, token) depends on the batch
+        rows = min(batch, 8)
+        ident += [d, CONTEXT_PROMPTS, rows, platform.node(), torch.get_num_threads()]
 
         def timed():
             lo, hi = CONTEXT_PROMPTS
-            at = {p: _count(model_cfg, method, runtime, 1, n, "seconds", prompt=p, head_dim=d)
+            at = {p: _count(model_cfg, method, runtime, rows, n, "seconds", prompt=p, head_dim=d)
                   for p in (lo, hi)}
-            return [{seg: max(0.0, (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo)) for seg in SEGMENTS}
+            return [{seg: max(0.0, (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo) / rows) for seg in SEGMENTS}
                     for i in range(n + 1)]
 
         return _spread(_cached(ident, timed), kinds)

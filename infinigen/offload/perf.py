@@ -359,7 +359,10 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
             if p.kinds[j] == "gather":  # the selection on the compute stream, then its indices reach the host
                 clock.run(dispatch[j]["speculation"], work[j].speculation, "speculation")
                 clock.sync()
-            pending[j] = link.fetch(clock, clock.host, dispatch[j]["host"], nbytes[j], p.kinds[j] == "gather")
+            host_s = dispatch[j]["host"]
+            if hw.host_is_device and p.kinds[j] == "held":  # the pool's rows copied where attention reads them
+                host_s += batch * seen * context_s[j]["host"]
+            pending[j] = link.fetch(clock, clock.host, host_s, nbytes[j], p.kinds[j] == "gather")
 
         for j in range(L):
             ops = dispatch[j]
