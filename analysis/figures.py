@@ -538,7 +538,7 @@ def fig14_16_latency(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         draw_bars(ax, data, "model", "curve", y, models_by_size(data["model"]), list(dict.fromkeys(data["curve"])))
         head = data.iloc[0]
         ax.set_title(f"batch_size={short(head['batch_size'])}, prompt_len={short(head['prompt_len'])}", fontsize=9)
-        ax.set_ylabel(LATENCY_YLABEL)
+        ax.set(xlabel="model (smallest first)", ylabel=LATENCY_YLABEL)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
         plotted.append(data.assign(panel="vs model"))
@@ -552,15 +552,15 @@ def fig14_16_latency(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         shape = ["model", "batch_size", "prompt_len"]
         data = traffic[(traffic[shape] == top[shape]).all(axis=1)]
         data = data.assign(curve=curve_labels(data))
-        curves = list(dict.fromkeys(data["curve"]))
-        ax.bar(range(len(curves)), [data.loc[data["curve"] == c, "h2d_bytes_per_token"].mean() / 2**20 for c in curves],
-               color=[color(c.split(" ", 1)[0]) for c in curves])
-        ax.set_xticks(range(len(curves)), [c.replace(" (", "\n(").replace(", ", ",\n") for c in curves], fontsize=7)
+        # horizontal bars, largest on top: a label per row never meets its neighbours, however many settings
+        mib = (data.groupby("curve")["h2d_bytes_per_token"].mean() / 2**20).sort_values()
+        ax.barh(range(len(mib)), mib.to_numpy(), color=[color(c.split(" ", 1)[0]) for c in mib.index])
+        ax.set_yticks(range(len(mib)), list(mib.index), fontsize=6 if len(mib) > 6 else 7)
         ax.set_title(f"{top['model']}, batch {short(top['batch_size'])}, prompt {short(top['prompt_len'])}", fontsize=9)
-        ax.set_ylabel("host->device KV (MiB / token)")
-        ax.grid(alpha=0.3, axis="y")
+        ax.set(xlabel="host->device KV (MiB / generated token)", ylabel="method setting")
+        ax.grid(alpha=0.3, axis="x")
         plotted.append(data.assign(panel="h2d bytes per token"))
-    fig.suptitle(title)
+    titled(fig, title, rows)
     if modelled(rows):
         fig.supxlabel(MODELLED_NOTE, fontsize=7)
     if not plotted:
