@@ -233,7 +233,7 @@ def ppl_vs_kv(rows: pd.DataFrame, title: str) -> Figure:
         ax.set_title(panel, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title)
+    F.titled(fig, title, data)
     return fig
 
 
@@ -245,9 +245,10 @@ def cost_bars(rows: pd.DataFrame, title: str) -> Figure:
     axes[0].set_yticks(range(len(data)), [f"{m} ({p})" if p else m for m, p in zip(data["method"], data["params"])],
                        fontsize=7)
     axes[0].axvline(1.0, color="black", linestyle="--", linewidth=1)
-    axes[0].set_xlabel("seconds per window / full's (shared 2-core CPU, one run each)")
+    axes[0].set(xlabel="seconds per window / full's at the same thread count (shared CPU, one run each)",
+                ylabel="method setting")
     axes[0].grid(alpha=0.3, axis="x")
-    fig.suptitle(title)
+    F.titled(fig, title, F.of_task(rows, "ppl"))
     return fig
 
 
