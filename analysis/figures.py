@@ -374,7 +374,7 @@ def fig13_skew(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         dataset = key.get("task_params.dataset")
         panel = f"{key['model']}, {dataset}, {seq} tokens, {skew_params(pair)}"
         for ax, y, ylabel in ((rest[2 * i], "ppl", "perplexity"),
-                              (rest[2 * i + 1], "recall", "recall (share of true attention mass fetched)")):
+                              (rest[2 * i + 1], "recall", "recall (attention mass fetched)")):
             shown = data.dropna(subset=[y])
             bars = [b for b in SKEW_BARS if b in set(shown["bar"])]
             heights = [shown.loc[shown["bar"] == b, y].mean() for b in bars]
@@ -383,6 +383,7 @@ def fig13_skew(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
             ax.set_xticks(range(len(bars)), bars, fontsize=8)
             for x, h in enumerate(heights):
                 ax.annotate(f"{h:.3g}", (x, h), ha="center", va="bottom", fontsize=7)
+            ax.set_ylim(0, max(heights, default=1) * 1.12)  # the tallest bar's number inside the frame
             ax.set_title(panel, fontsize=8)
             ax.set(xlabel=f"{dataset}, kv fraction {short(round(pair['kv_pct'].mean(), 1))}% (measured)",
                    ylabel=ylabel)
@@ -538,7 +539,7 @@ def fig14_16_latency(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         draw_bars(ax, data, "model", "curve", y, models_by_size(data["model"]), list(dict.fromkeys(data["curve"])))
         head = data.iloc[0]
         ax.set_title(f"batch_size={short(head['batch_size'])}, prompt_len={short(head['prompt_len'])}", fontsize=9)
-        ax.set_ylabel(LATENCY_YLABEL)
+        ax.set(xlabel="model (smallest first)", ylabel=LATENCY_YLABEL)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
         plotted.append(data.assign(panel="vs model"))
@@ -552,15 +553,15 @@ def fig14_16_latency(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         shape = ["model", "batch_size", "prompt_len"]
         data = traffic[(traffic[shape] == top[shape]).all(axis=1)]
         data = data.assign(curve=curve_labels(data))
-        curves = list(dict.fromkeys(data["curve"]))
-        ax.bar(range(len(curves)), [data.loc[data["curve"] == c, "h2d_bytes_per_token"].mean() / 2**20 for c in curves],
-               color=[color(c.split(" ", 1)[0]) for c in curves])
-        ax.set_xticks(range(len(curves)), [c.replace(" (", "\n(").replace(", ", ",\n") for c in curves], fontsize=7)
+        # horizontal bars, largest on top: a label per row never meets its neighbours, however many settings
+        mib = (data.groupby("curve")["h2d_bytes_per_token"].mean() / 2**20).sort_values()
+        ax.barh(range(len(mib)), mib.to_numpy(), color=[color(c.split(" ", 1)[0]) for c in mib.index])
+        ax.set_yticks(range(len(mib)), list(mib.index), fontsize=6 if len(mib) > 6 else 7)
         ax.set_title(f"{top['model']}, batch {short(top['batch_size'])}, prompt {short(top['prompt_len'])}", fontsize=9)
-        ax.set_ylabel("host->device KV (MiB / token)")
-        ax.grid(alpha=0.3, axis="y")
+        ax.set(xlabel="host->device KV (MiB / generated token)", ylabel="method setting")
+        ax.grid(alpha=0.3, axis="x")
         plotted.append(data.assign(panel="h2d bytes per token"))
-    fig.suptitle(title)
+    titled(fig, title, rows)
     if modelled(rows):
         fig.supxlabel(MODELLED_NOTE, fontsize=7)
     if not plotted:
@@ -717,9 +718,12 @@ def table2_eviction(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     pools = [p for p in order if p in set(rows["pool"])]
     fig, axes = grid(1, size=(max(6.0, 1.8 * len(settings)), 3.6))
     draw_bars(axes[0], rows, "setting", "pool", "ppl", settings, pools)
+    for bars in axes[0].containers:  # the policies differ by a few percent: the numbers say by how much
+        axes[0].bar_label(bars, fmt="%.4g", fontsize=6)
+    axes[0].set_ylim(0, rows["ppl"].max() * 1.4)  # room for the legend above the bars
     axes[0].set(xlabel="model / dataset / sequence length (tokens)", ylabel="perplexity")
     axes[0].grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, ncols=min(len(pools), 4), loc="upper center")
     titled(fig, title, rows)
     return fig, rows[cols].sort_values(["setting", "pool"]).reset_index(drop=True)
 

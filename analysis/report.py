@@ -235,21 +235,22 @@ def ppl_vs_kv(rows: pd.DataFrame, title: str) -> Figure:
         ax.set_title(panel, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title)
+    F.titled(fig, title, data)
     return fig
 
 
 def cost_bars(rows: pd.DataFrame, title: str) -> Figure:
     data = sim_cost(rows)
     fig, axes = F.grid(1, size=(7.5, 3.6))
-    data = data.sort_values("x full")
+    data = data.dropna(subset=["x full"]).sort_values("x full")  # a setting without a matched full: no bar
     axes[0].barh(range(len(data)), data["x full"], color=[F.color(m) for m in data["method"]])
     axes[0].set_yticks(range(len(data)), [f"{m} ({p})" if p else m for m, p in zip(data["method"], data["params"])],
                        fontsize=7)
     axes[0].axvline(1.0, color="black", linestyle="--", linewidth=1)
-    axes[0].set_xlabel("seconds per window / full's (shared 2-core CPU, one run each)")
+    axes[0].set(xlabel="seconds per window / full's at the same thread count (shared CPU, one run each)",
+                ylabel="method setting")
     axes[0].grid(alpha=0.3, axis="x")
-    fig.suptitle(title)
+    F.titled(fig, title, F.of_task(rows, "ppl"))
     return fig
 
 
@@ -365,8 +366,12 @@ def sim_cost(rows: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame({"method": data["method"], "params": T.key_params(data), "s / window": seconds,
                         "threads": pd.to_numeric(F.column(data, "meta.threads")).astype("Int64"),
                         "device": F.column(data, "meta.device")})
-    full = out.loc[out["method"] == "full", "s / window"]
-    out["x full"] = out["s / window"] / (full.iloc[0] if len(full) else math.nan)
+    # the same window shape on the same device and thread count: a 1-thread run against a 2-thread full's is
+    # no cost ratio
+    setting = (F.metric(data, "seq_len").astype(str) + " | " + F.metric(data, "dense_rows").fillna(0).astype(str)
+               + " | " + out["device"].astype(str) + " | " + out["threads"].astype(str))
+    full = out.loc[out["method"] == "full"].groupby(setting)["s / window"].first()
+    out["x full"] = out["s / window"] / setting.map(full)
     return out.sort_values(["x full", "method", "params"]).reset_index(drop=True)
 
 
@@ -519,6 +524,13 @@ def plateau(rows: pd.DataFrame, along: str, tolerance: float = 0.02) -> list[str
                        f"{num(100 * (last['ppl'] / best - 1))}% above the sweep's best ({num(best, 4)})")
             continue
         first = part[within].iloc[0]
+        if len(part) > 1 and first[along] == last[along]:  # only the last point: still falling, no plateau
+            before = part.iloc[-2]
+            out.append(f"{along} ({curve}): no plateau within {num(100 * tolerance)}% yet: perplexity still falls "
+                       f"from {num(before['ppl'], 4)} at {along} = {num(before[along])} to {num(last['ppl'], 4)} at "
+                       f"{along} = {num(last[along])}, the largest swept ({num(part[along].min())}-"
+                       f"{num(last[along])}); kv_fraction {num(100 * before['kv'])}% -> {num(100 * last['kv'])}%")
+            continue
         out.append(f"{along} ({curve}): perplexity within {num(100 * tolerance)}% of the sweep's best "
                    f"({num(best, 4)}) from {along} = {num(first[along])} on (swept {num(part[along].min())}-"
                    f"{num(part[along].max())}); kv_fraction {num(100 * first['kv'])}% there, "
@@ -617,14 +629,19 @@ def long_verdict(rows: pd.DataFrame) -> list[str]:
 def cost_verdict(rows: pd.DataFrame) -> list[str]:
     cost = sim_cost(rows)
     if cost.empty or cost["x full"].isna().all():
-        return needs("ppl rows of full and the other methods")
+        return needs("ppl rows of full and the other methods on the same device and thread count")
     parts = cost[cost["method"] != "full"].dropna(subset=["x full"])
     if parts.empty:
         return needs("ppl rows of methods other than full next to full's")
     by = parts.groupby("method")["x full"].median().sort_values()
     tokens = num(F.metric(F.of_task(rows, "ppl"), "seq_len").max(), 5)
-    return [f"sim-mode seconds per {tokens}-token window / full's, median over each method's settings: "
-            + ", ".join(f"{m} {num(x)}x" for m, x in by.items())]
+    out = [f"sim-mode seconds per {tokens}-token window / full's on the same device and thread count, median over "
+           "each method's settings: " + ", ".join(f"{m} {num(x)}x" for m, x in by.items())]
+    unmatched = cost[(cost["method"] != "full") & cost["x full"].isna()]
+    if not unmatched.empty:
+        out.append(f"{len(unmatched)} setting(s) ({', '.join(sorted(set(unmatched['method'])))}) have no full run at "
+                   "their thread count: no ratio")
+    return out
 
 
 COMPARED = (f"{PPL} method=full",
@@ -743,9 +760,9 @@ SECTIONS: list[Section] = [
 
 
 def provenance(rows: pd.DataFrame) -> str:
+    """Runs, commits, machines, torch versions and data the rows come from."""
     if rows.empty:
         return ""
-    """Runs, commits, machines, torch versions and data the rows come from."""
     commits = sorted(set(F.column(rows, "meta.git_commit").dropna().map(
         lambda c: c[:7] + ("-dirty" if c.endswith("-dirty") else ""))))
     devices = sorted(set(F.column(rows, "meta.device").astype(str) + " x "

@@ -80,7 +80,7 @@ def fig14_16_modelled(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     head = top.iloc[0]
     ax.set_title(f"Fig. 14: {head['model']}, batch {int(head['batch_size'])}, {int(head['prompt_len'])}+"
                  f"{int(F.metric(top, 'gen_len').iloc[0])}; speedup vs offload", fontsize=8)
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=6, loc="upper right")  # the longest bar (and its note) is the bottom one
     out.append(top.assign(panel="fig14", speedup=(base.iloc[0] / top["decode_ms_median"]) if len(base) else np.nan))
     # (b)-(d): lines over batch, prompt length, model
     for ax, (along, fixed, name) in zip(axes[1:], [("batch_size", ["model", "prompt_len"], "Fig. 15"),

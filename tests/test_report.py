@@ -10,6 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from analysis import report, store
@@ -238,3 +239,40 @@ def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
     assert ("peak RSS at 8192 tokens: ppl task 1.65 GB, the model's own forward 5.2 GB; growth 1024..8192 tokens: "
             "ppl task 0.0488 MB/token, forward 0.502 MB/token") in section
     assert "None: every stored run matches" in text
+
+
+# ----------------------------------------------------------------------------------------------- verdict wording
+
+
+def ppl_run(path: Path, digest: str, method: str, params: dict, ppl: float, kv: float = 1.0, threads: int = 1,
+            wall_s: float = 105.0) -> None:
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "ppl",
+        "method_params": {"name": method, **params},
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": 1},
+        "metrics": {"ppl": ppl, "kv_fraction": kv, "windows": 1, "seq_len": 1024}, "config": {},
+        "meta": {"device": "cpu", "threads": threads, "wall_s": wall_s, "load_s": 5.0}}])
+
+
+def test_sim_cost_ratios_only_against_full_at_the_same_thread_count(tmp_path):
+    ppl_run(tmp_path, "a" * 16, "full", {}, 14.0, threads=2, wall_s=105.0)  # 100 s per window
+    ppl_run(tmp_path, "b" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, 30.0, 0.2, threads=2, wall_s=55.0)
+    ppl_run(tmp_path, "c" * 16, "quant", {"bits": 2}, 40.0, threads=1, wall_s=45.0)  # 1 thread: no full to match
+    cost = report.sim_cost(report.load(tmp_path)).set_index("method")
+    assert cost.loc["h2o", "x full"] == pytest.approx(0.5)
+    assert pd.isna(cost.loc["quant", "x full"])
+    verdict = report.cost_verdict(report.load(tmp_path))
+    assert "h2o 0.5x" in verdict[0] and "quant" not in verdict[0]
+    assert "1 setting(s) (quant) have no full run at their thread count" in verdict[1]
+
+
+def test_an_alpha_sweep_still_falling_at_its_end_is_no_plateau(tmp_path):
+    for i, (alpha, ppl) in enumerate([(1.0, 1177.0), (3.0, 139.3), (5.0, 41.89), (7.0, 26.41), (9.0, 24.26)]):
+        ppl_run(tmp_path, f"{i:016x}", "infinigen", {"alpha": alpha, "partial_ratio": 0.2, "budget": 0.2}, ppl,
+                kv=0.05 + 0.02 * alpha)
+    verdict = report.plateau(report.load(tmp_path), "alpha")
+    assert len(verdict) == 1 and "no plateau within 2% yet" in verdict[0], verdict
+    assert "from 26.41 at alpha = 7 to 24.26 at alpha = 9" in verdict[0], verdict
+    ppl_run(tmp_path, f"{5:016x}", "infinigen", {"alpha": 11.0, "partial_ratio": 0.2, "budget": 0.2}, 24.0, kv=0.27)
+    verdict = report.plateau(report.load(tmp_path), "alpha")
+    assert "within 2% of the sweep's best (24) from alpha = 9 on" in verdict[0], verdict
