@@ -539,8 +539,8 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
     for bits in (2, 4):
         kivi = plain[(plain["method"] == "kivi") & (pd.to_numeric(F.column(plain, "method_params.bits")) == bits)]
         quant = plain[(plain["method"] == "quant") & (pd.to_numeric(F.column(plain, "method_params.bits")) == bits)]
-        if not kivi.empty and not quant.empty:
-            full = full_ppl(plain)
+        full = full_ppl(plain)
+        if not kivi.empty and not quant.empty and full is not None:
             out.append(f"{bits}-bit: KIVI gap to full {signed(kivi['ppl'].iloc[0] - full)}, per-token quant "
                        f"{signed(quant['ppl'].iloc[0] - full)}")
     prompt = data[F.metric(data, "dense_rows").fillna(0) > 0]
