@@ -274,7 +274,9 @@ def test_bad_input_fails_before_any_model_load(overrides, error, match, tmp_path
     ("shadowkv", ["method.budget=0"], "budget"),
     ("shadowkv", ["method.budget=1.5"], "budget"),
     ("rocketkv", ["method.budget=0"], "budget"),
+    ("rocketkv", ["method.budget=1.5"], "budget"),
     ("rocketkv", ["method.split=1.5"], "split"),
+    ("rocketkv", ["method.split=-0.1"], "split"),
     ("rocketkv", ["method.chunk=0"], "chunk"),
 ])
 def test_bad_hyperparameters_fail_before_any_model_load(method, overrides, match, tmp_path):
