@@ -92,8 +92,8 @@ def check_options(names: list[str], lengths, haystack: str, data_dir: str | None
         if words < max(lengths):
             raise ValueError(f"task.haystack {haystack!r} ({corpus.path or corpus.hub}) has {words} words, too "
                              f"short for the essay haystack of {essay} at max(task.max_seq_lengths) = "
-                             f"{max(lengths)} tokens (at least one word per token is needed); give a longer text "
-                             "or shorter lengths")
+                             f"{max(lengths)} tokens (a word is at least one token, so that many words fill any "
+                             "length); give a longer text or shorter lengths")
 
 
 def haystack_identity(names: list[str], haystack: str, data_dir: str | None) -> dict:
