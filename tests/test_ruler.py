@@ -73,10 +73,10 @@ def tiny():
 
 def test_samples_fit_their_length_and_limit_is_per_length(tiny):
     _, tok = tiny
-    data = ruler.dataset(ruler_task="ruler_fwe", max_seq_lengths=[300, 400], num_samples=2, tokenizer=tok,
+    data = ruler.dataset(ruler_task="ruler_fwe", max_seq_lengths=[400, 512], num_samples=2, tokenizer=tok,
                          haystack="wikitext2")["test"]
-    assert [row["max_length"] for row in data] == [300, 300, 400, 400]
-    first = ruler.dataset(ruler_task="ruler_fwe", max_seq_lengths=[400], num_samples=1, tokenizer=tok,
+    assert [row["max_length"] for row in data] == [400, 400, 512, 512]
+    first = ruler.dataset(ruler_task="ruler_fwe", max_seq_lengths=[512], num_samples=1, tokenizer=tok,
                           haystack="wikitext2")["test"]
     assert first[0]["input"] == data[2]["input"]  # a length's samples do not depend on other lengths or the limit
 
@@ -105,10 +105,10 @@ def test_niah_single_1_offline_through_a_method_writes_rows(tmp_path, data_dir):
     from analysis import store
 
     cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=h2o", "task=lm_eval",
-                  "task.tasks=[niah_single_1]", "task.limit=2", "task.max_seq_lengths=[384,512]")
+                  "task.tasks=[niah_single_1]", "task.limit=2", "task.max_seq_lengths=[768,1024]")
     runner.run(cfg)
     rows = store.load(tmp_path)
-    assert rows["metrics.length"].tolist() == [384, 512]
+    assert rows["metrics.length"].tolist() == [768, 1024]
     assert (rows["metrics.task"] == "niah_single_1").all() and (rows["metrics.n"] == 2).all()
     assert rows["metrics.score"].between(0, 1).all()
     assert rows["metrics.kv_fraction"].between(0, 0.9).all()  # the method's own cache served the generated tokens
