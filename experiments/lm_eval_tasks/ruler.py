@@ -22,13 +22,16 @@ Here the same generators (`prepare_niah.generate_samples`, `vt_utils.sys_vartrac
 Scoring is lm-eval's (`common_utils.postprocess_pred` + `string_match_all`, QA `string_match_part`), one metric
 per length named by the length, as lm-eval's RULER reports it.
 
-Only the standard library is imported at module level: `check_options` runs while a config is validated.
+Only the standard library and infinigen.corpora (itself standard library only) are imported at module level:
+`check_options` runs while a config is validated.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from infinigen.corpora import check_dataset, corpus_text, identity
 
 TEMPLATE_YAML = Path(__file__).resolve().parent / "ruler_local.yaml"
 NLTK_DATA = Path(__file__).resolve().parent / "nltk_data"
@@ -72,8 +75,6 @@ def check_options(names: list[str], lengths, haystack: str, data_dir: str | None
     The essay haystack must hold at least max(task.max_seq_lengths) words: every word is at least one token, so
     that is enough for any tokenizer (lm-eval's generator silently stops at the end of a shorter text and gives
     samples shorter than the length they are reported under)."""
-    from infinigen.corpora import check_dataset, corpus_text
-
     qa = [name for name in names if name in QA]
     if qa:
         raise ValueError(f"{qa}: RULER's QA tasks read SQuAD / HotpotQA from the web and have no local data here; "
@@ -99,8 +100,6 @@ def check_options(names: list[str], lengths, haystack: str, data_dir: str | None
 def haystack_identity(names: list[str], haystack: str, data_dir: str | None) -> dict:
     """What RULER's samples are made from, for each row's `data`: the seed, and the text that replaces RULER's
     essay haystack for the essay tasks among `names` (none: every other task uses RULER's built-in haystacks)."""
-    from infinigen.corpora import identity
-
     essay = [name for name in names if name in ESSAY_TASKS]
     out = {"seed": SEED, "essay_tasks": essay}
     if essay:
@@ -165,8 +164,6 @@ def dataset(*, ruler_task: str, max_seq_lengths, num_samples: int, tokenizer, ha
             **_metadata):
     """custom_dataset of ruler_local.yaml: the samples of every length, with the columns lm-eval's RULER uses."""
     import datasets
-
-    from infinigen.corpora import corpus_text
 
     text = corpus_text(haystack, data_dir) if ruler_task in ESSAY_TASKS else ""
     rows = [{key: row[key] for key in ("index", "input", "outputs", "length", "max_length", "gen_prefix")}
