@@ -1,10 +1,11 @@
 """Markdown tables from the results store, for the README:
 
-    python -m analysis.tables --results results --table ppl|lm_eval|accuracy|latency|eviction|successors
+    python -m analysis.tables --results results --table ppl|lm_eval|accuracy|latency|eviction|successors|ruler
 
 One line per stored row (ppl, lm_eval: one per lm-eval task, latency), per method setting for `accuracy` (lm-eval
 acc, one column per task), or per (model, dataset) for `eviction` (InfiniGen Table 2: perplexity by KV pool
-setting), per method setting for `successors` (its ppl and latency rows side by side). `params` lists a method's KV-size hyperparameters and any
+setting), per method setting for `successors` (its ppl and latency rows side by side), per method setting for
+`ruler` (RULER score, one column per task @ length; only the cells where full attention scores >= 0.1). `params` lists a method's KV-size hyperparameters and any
 other hyperparameter that differs between that method's rows in the table. kv_fraction is measured (share of
 cached entries attended); rel. KV size = kv_fraction x entry size vs 16 bits (quant: bits/16); recall
 (InfiniGen / oracle) is the share of the true attention mass carried by the tokens a method fetched; byte counts appear when the task
@@ -20,10 +21,10 @@ import math
 import pandas as pd
 
 from analysis import store
-from analysis.figures import (bytes_ratio, column, eviction_rows, metric, models_by_size, param_columns, short,
-                              size_params)
+from analysis.figures import (bytes_ratio, column, eviction_rows, metric, models_by_size, param_columns,
+                              ruler_cells, short, size_params)
 
-TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors")
+TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors", "ruler")
 
 
 def key_params(df: pd.DataFrame) -> pd.Series:
@@ -209,8 +210,23 @@ def successors_table(df: pd.DataFrame) -> pd.DataFrame:
     return ordered(out, ["method", "kv_fraction"])
 
 
+def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER score per method setting (mean measured kv_fraction), one column per informative task @ length (full
+    attention >= figures.RULER_INFORMATIVE there), and their mean."""
+    cells = ruler_cells(df)
+    cells = cells[cells["informative"]]
+    if cells.empty:
+        return pd.DataFrame(columns=["model", "method"])
+    cells["cell"] = cells["task"] + " @ " + cells["length"].map(lambda n: f"{n:.0f}")
+    wide = cells.pivot_table(index=["model", "setting"], columns="cell", values="score").reset_index()
+    info = cells.groupby(["model", "setting"], as_index=False).agg(kv_fraction=("kv_fraction", "mean"),
+                                                                   mean_score=("score", "mean"))
+    out = info.merge(wide, on=["model", "setting"]).rename(columns={"setting": "method"})
+    return out.sort_values(["model", "kv_fraction"], ascending=[True, False])
+
+
 BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "accuracy": accuracy_table, "latency": latency_table,
-            "eviction": eviction_table, "successors": successors_table}
+            "eviction": eviction_table, "successors": successors_table, "ruler": ruler_table}
 TEXT = {"model", "method", "params", "dataset", "data", "task", "protocol", "device"}
 
 

@@ -48,6 +48,7 @@ from typing import Any
 from omegaconf import ListConfig, OmegaConf
 
 from experiments.lm_eval_tasks import LOCAL_TASKS, check_include_path, resolve_task_names, task_manager
+from experiments.lm_eval_tasks import ruler
 
 PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
@@ -140,9 +141,34 @@ def validate(task, data_dir) -> None:
     names, include_path = tasks_of(task), task.get("include_path")
     scan = check_include_path(include_path, names) if include_path is not None else None
     own = scan["tasks"] if scan else {}
+    rulers = [name for name in ruler.ruler_names(names) if name not in own]
+    if rulers:
+        ruler.check_options(rulers, _plain(task.get("max_seq_lengths")), task.get("haystack"), data_dir)
+    names = [name for name in names if name not in rulers]
     resolved = resolve_task_names(names, str(Path(data_dir).expanduser().resolve()) if data_dir else None, own=own)
     if any(name not in LOCAL_TASKS.values() and name not in own for name in resolved):
         lm_eval_setup(names, data_dir, include_path)  # only lm-eval's task index (built in 10-30 s) knows them
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+
+
+def ruler_tasks(task) -> list[str]:
+    """The requested names that run as local RULER tasks (not defined by the user's include_path)."""
+    names = tasks_of(task)
+    include_path = task.get("include_path")
+    own = check_include_path(include_path, names)["tasks"] if include_path is not None else {}
+    return [name for name in ruler.ruler_names(names) if name not in own]
+
+
+def positions_needed(task) -> tuple[str, int] | None:
+    """RULER samples are sized to task.max_seq_lengths tokens, prompt + answer; other tasks are truncated to the
+    model's length by lm-eval."""
+    lengths = _plain(task.get("max_seq_lengths"))
+    if not ruler_tasks(task) or not lengths:
+        return None
+    return "max(task.max_seq_lengths)", max(lengths)
 
 
 def _finite(x):
@@ -210,18 +236,62 @@ def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
     return rows
 
 
+def evaluate_ruler(lm, name: str, task, data_dir) -> list[dict]:
+    """A RULER task (experiments/lm_eval_tasks/ruler.py): one lm-eval evaluation and one row per length, each
+    with the method's stats over that length's samples. `task.limit` samples are generated per length (null:
+    RULER's 500)."""
+    import lm_eval
+
+    rows = []
+    for length in _plain(task.max_seq_lengths):
+        tm = ruler.task_manager(name, [length], task.limit or ruler.DEFAULT_SAMPLES, lm.tokenizer,
+                                task.haystack, data_dir)
+        lm.method.reset_stats()
+        lm.reset_counts()
+        t0 = time.perf_counter()
+        results = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=None, limit=None, task_manager=tm,
+                                          bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+        seconds = time.perf_counter() - t0
+        metrics = task_metrics(results, name)
+        generated, stats = lm.counts["generated"], lm.method.stats.summary()
+        samples = results.get("n-samples", {}).get(name, {})
+        rows.append({
+            "task": name,
+            "lm_eval_task": name,
+            "requested": name,
+            "benchmark": "ruler",
+            "length": int(length),
+            "score": metrics[str(length)],
+            "score_stderr": _finite(metrics.get(f"{length}_stderr")),
+            "protocol": "decode",  # generation: dense prefill, then one token per step through the method
+            "limit": task.limit,
+            "n": samples.get("effective"),
+            "max_gen_toks": ruler.RULER_TASKS[name],
+            "seconds": seconds,
+            "generated_tokens": generated,
+            "seconds_per_sample": seconds / samples["effective"] if samples.get("effective") else None,
+            "kv_fraction": _finite(stats.get("kv_fraction")),
+            "stats": stats,
+        })
+    return rows
+
+
 def run(model, tokenizer, method, task, data_dir, device="cpu") -> list[dict]:
     from experiments.lm_eval_lm import KVMethodLM
 
-    names = tasks_of(task)
-    resolved, tm = lm_eval_setup(names, data_dir, task.get("include_path"))
+    rulers = ruler_tasks(task)
+    names = [name for name in tasks_of(task) if name not in rulers]
+    resolved, tm = lm_eval_setup(names, data_dir, task.get("include_path")) if names else ([], None)
     lm = KVMethodLM(model, tokenizer, method, protocol=task.protocol, dense_rows=task.dense_rows,
                     batch_size=task.batch_size)
     rows = []
-    for requested, name in zip(names, resolved, strict=True):
-        rows.extend(evaluate_one(lm, requested, name, tm, task))
+    for requested in tasks_of(task):
+        if requested in rulers:
+            rows.extend(evaluate_ruler(lm, requested, task, data_dir))
+        else:
+            rows.extend(evaluate_one(lm, requested, resolved[names.index(requested)], tm, task))
     for row in rows:
-        shown = {k: row[k] for k in ("acc", "acc_norm", "word_perplexity") if k in row}  # the task's headline
+        shown = {k: row[k] for k in ("acc", "acc_norm", "word_perplexity", "length", "score") if k in row}
         shown |= {k: row.get(k) for k in ("n", "kv_fraction", "seconds")}
         print(f"[lm_eval] {row['task']} ({row['protocol']}): {shown}")
     return rows

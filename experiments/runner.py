@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
 from experiments.lm_eval_tasks import tasks_identity
+from experiments.lm_eval_tasks.ruler import haystack_identity, ruler_names
 from infinigen import corpora
 
 # config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
@@ -108,8 +109,10 @@ def data_identity(cfg) -> dict:
                                                             or (task.get("prompt") == "auto" and data_dir))):
         out = corpora.identity(task.dataset, data_dir)
     elif task.name == "lm_eval":
-        out = tasks_identity(list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks], data_dir,
-                             task.get("include_path"))
+        names = list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks]
+        out = tasks_identity(names, data_dir, task.get("include_path"))
+        if ruler_names(names):
+            out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir)
     if cfg.method.get("calibration"):
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
     return out
@@ -221,7 +224,7 @@ def check_positions(cfg: DictConfig, module) -> None:
     try:
         option, n = needed(cfg.task)
         too_long = n > limit
-    except TypeError:  # a length that is not a number: the task's own validate names it
+    except TypeError:  # a length that is not a number (the task's own validate names it), or nothing to check
         return
     if too_long:
         raise ValueError(f"{option} = {n} is beyond the max_position_embeddings of model {cfg.model.name} "

@@ -152,10 +152,34 @@ def test_needle_heatmap_cells(synthetic):
     assert set(numbers[numbers["setting"] == "full"]["accuracy"]) == {1.0}
 
 
+RULER_TASKS, RULER_LENGTHS = ["niah_single_1", "ruler_cwe"], [1024, 2048]
+
+
+def ruler_runs():
+    """full does niah_single_1 and fails ruler_cwe (uninformative cells); streaming finds half the needles."""
+    runs = []
+    for method, params, kv, hit in [("full", {}, 1.0, 1.0), ("streaming", {"sinks": 4, "recent": 0.2}, 0.2, 0.5)]:
+        rows = [{"task": t, "benchmark": "ruler", "length": n, "score": hit if t == "niah_single_1" else 0.0,
+                 "n": 2, "kv_fraction": kv, "stats": stats(kv)} for t in RULER_TASKS for n in RULER_LENGTHS]
+        runs.append(run("smollm2-135m", method, "lm_eval", params,
+                        {"tasks": RULER_TASKS, "max_seq_lengths": RULER_LENGTHS, "limit": 2}, rows))
+    return runs
+
+
+def test_ruler_heatmap_cells(synthetic):
+    _, numbers = figures.ruler_heatmap(store.load(synthetic))
+    assert len(numbers) == 2 * len(RULER_TASKS) * len(RULER_LENGTHS)
+    niah = numbers[numbers["task"] == "niah_single_1"].set_index("setting")
+    assert set(niah.loc["full", "score"]) == {1.0} and niah["informative"].all()
+    assert set(niah.filter(like="streaming", axis=0)["score"]) == {0.5}
+    assert set(niah.filter(like="streaming", axis=0)["kv_fraction"]) == {0.2}
+    assert not numbers[numbers["task"] == "ruler_cwe"]["informative"].any()  # full scores 0: no verdict
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     results = tmp_path_factory.mktemp("results")
-    for digest, rows in lm_eval_runs() + ppl_runs() + latency_runs() + needle_runs():
+    for digest, rows in lm_eval_runs() + ppl_runs() + latency_runs() + needle_runs() + ruler_runs():
         store.append_rows(results, digest, rows)
     return results
 

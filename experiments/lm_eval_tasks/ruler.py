@@ -1,0 +1,206 @@
+"""RULER (Hsieh et al., 2024) offline: lm-eval 0.4.13's own RULER sample generators, fed locally.
+
+lm-eval ships RULER (`lm_eval/tasks/ruler/`) as tasks whose `custom_dataset` synthesises samples at load time, for
+the `max_seq_lengths` in the task metadata. As shipped it needs the network: the tokenizer is looked up by a hub
+name, the essay haystack (Paul Graham's essays) is downloaded, QA reads SQuAD / HotpotQA from the web, nltk
+downloads its Punkt sentence splitter, and 500 samples are generated per length whatever `--limit` says.
+
+Here the same generators (`prepare_niah.generate_samples`, `vt_utils.sys_vartrack_w_noise_random`,
+`cwe_utils.sys_word_pair_random`, `fwe_utils.sys_kwext`) are called by :func:`dataset`, the `custom_dataset` of
+`ruler_local.yaml`, with
+
+* the loaded model's own tokenizer (GGUF included; the byte tokenizer for the random-init test models), handed
+  over as a Python object through the TaskManager's metadata (`tokenizer`);
+* the essay haystack from a local text (`task.haystack`, a corpus spec as in "Your own data"; default WikiText-2
+  test), split into words as lm-eval splits the essays;
+* nltk's sentence splitter: a Punkt model with no trained parameters (`nltk_data/` next to this file, put first
+  on `nltk.data.path`: nltk's trained English model is a download), so essay sentences split at ". " etc.;
+* `num_samples` per length (`task.limit`), so only the samples a run scores are generated;
+* a fixed seed per (task, length): the samples of a length do not depend on the other lengths, and the first k
+  samples are the same for any limit >= k.
+
+Scoring is lm-eval's (`common_utils.postprocess_pred` + `string_match_all`, QA `string_match_part`), one metric
+per length named by the length, as lm-eval's RULER reports it.
+
+Only the standard library and infinigen.corpora (itself standard library only) are imported at module level:
+`check_options` runs while a config is validated.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from infinigen.corpora import check_dataset, corpus_text, identity
+
+TEMPLATE_YAML = Path(__file__).resolve().parent / "ruler_local.yaml"
+NLTK_DATA = Path(__file__).resolve().parent / "nltk_data"
+SEED = 42  # RULER's RANDOM_SEED
+DEFAULT_SAMPLES = 500  # RULER's samples per length (task.limit=null)
+MIN_LENGTH = 256  # below this a sample leaves no room for the template, the needles and the answer
+
+# lm-eval task name -> prepare_niah.generate_samples arguments (as lm-eval's niah_utils sets them)
+NIAH = {
+    "niah_single_1": {"type_haystack": "repeat", "type_needle_k": "words", "type_needle_v": "numbers"},
+    "niah_single_2": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers"},
+    "niah_single_3": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "uuids"},
+    "niah_multikey_1": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_k": 4},
+    "niah_multikey_2": {"type_haystack": "needle", "type_needle_k": "words", "type_needle_v": "numbers"},
+    "niah_multikey_3": {"type_haystack": "needle", "type_needle_k": "uuids", "type_needle_v": "uuids"},
+    "niah_multivalue": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_v": 4},
+    "niah_multiquery": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_q": 4},
+}
+QA = {"ruler_qa_squad": "squad", "ruler_qa_hotpot": "hotpotqa"}
+#: every RULER task lm-eval 0.4.13 ships -> max_gen_toks (its YAMLs' generation_kwargs)
+RULER_TASKS = {**dict.fromkeys(NIAH, 128), "ruler_vt": 30, "ruler_cwe": 120, "ruler_fwe": 50,
+               **dict.fromkeys(QA, 32)}
+ESSAY_TASKS = tuple(name for name, spec in NIAH.items() if spec["type_haystack"] == "essay")
+
+
+def ruler_names(names) -> list[str]:
+    return [name for name in names if name in RULER_TASKS]
+
+
+def essay_words(text: str) -> list[str]:
+    """A text as the essay haystack: its words, whitespace runs collapsed (as lm-eval's get_haystack('essay'))."""
+    return re.sub(r"\s+", " ", text).strip().split(" ")
+
+
+def check_options(names: list[str], lengths, haystack: str, data_dir: str | None) -> None:
+    """What RULER tasks need, checked without lm-eval or a tokenizer; ValueError naming the option.
+
+    The essay haystack must hold at least max(task.max_seq_lengths) words: every word is at least one token, so
+    that is enough for any tokenizer (lm-eval's generator silently stops at the end of a shorter text and gives
+    samples shorter than the length they are reported under)."""
+    qa = [name for name in names if name in QA]
+    if qa:
+        raise ValueError(f"{qa}: RULER's QA tasks read SQuAD / HotpotQA from the web and have no local data here; "
+                         f"remove them from task.tasks (the other RULER tasks run offline: {sorted(set(RULER_TASKS) - set(QA))})")
+    if (not isinstance(lengths, (list, tuple)) or not lengths
+            or any(not isinstance(n, int) or isinstance(n, bool) or n < MIN_LENGTH for n in lengths)):
+        raise ValueError(f"task.max_seq_lengths must be a non-empty list of integers >= {MIN_LENGTH} (tokens per "
+                         f"RULER sample, prompt + answer), got {lengths!r}")
+    essay = [name for name in names if name in ESSAY_TASKS]
+    if essay:
+        try:
+            corpus = check_dataset(haystack, data_dir)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"task.haystack (the essay haystack of {essay}): {err}") from err
+        words = len(essay_words(corpus_text(haystack, data_dir)))
+        if words < max(lengths):
+            raise ValueError(f"task.haystack {haystack!r} ({corpus.path or corpus.hub}) has {words} words, too "
+                             f"short for the essay haystack of {essay} at max(task.max_seq_lengths) = "
+                             f"{max(lengths)} tokens (a word is at least one token, so that many words fill any "
+                             "length); give a longer text or shorter lengths")
+
+
+def haystack_identity(names: list[str], haystack: str, data_dir: str | None) -> dict:
+    """What RULER's samples are made from, for each row's `data`: the seed, and the text that replaces RULER's
+    essay haystack for the essay tasks among `names` (none: every other task uses RULER's built-in haystacks)."""
+    essay = [name for name in names if name in ESSAY_TASKS]
+    out = {"seed": SEED, "essay_tasks": essay}
+    if essay:
+        out |= {"essay_haystack": identity(haystack, data_dir),
+                "replaces": "Paul Graham essays (RULER's essay haystack, a download)",
+                "sentence_splitter": "nltk Punkt, untrained parameters (experiments/lm_eval_tasks/nltk_data)"}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- lm-eval side
+
+
+def _use_local_punkt() -> None:
+    import nltk
+
+    if str(NLTK_DATA) not in nltk.data.path:
+        nltk.data.path.insert(0, str(NLTK_DATA))  # before prepare_niah is imported: it downloads punkt_tab if absent
+
+
+def _seed(name: str, length: int) -> None:
+    import random
+    import zlib
+
+    import numpy as np
+
+    seed = SEED + zlib.crc32(f"{name}:{length}".encode())  # RULER's generators draw from the global RNGs
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def samples(name: str, length: int, num_samples: int, tokenizer, haystack_text: str) -> list[dict]:
+    """`num_samples` RULER samples of task `name` at `length` tokens, from lm-eval's generator for that task."""
+    _seed(name, length)
+    if name in NIAH:
+        _use_local_punkt()
+        from lm_eval.tasks.ruler.niah_utils import TEMPLATE
+        from lm_eval.tasks.ruler.prepare_niah import generate_samples, get_haystack
+
+        spec = NIAH[name]
+        kind = spec["type_haystack"]
+        haystack = essay_words(haystack_text) if kind == "essay" else get_haystack(type_haystack=kind)
+        return generate_samples(haystack, TOKENIZER=tokenizer, max_seq_length=length, template=TEMPLATE,
+                                num_samples=num_samples, **spec)
+    if name == "ruler_vt":
+        from lm_eval.tasks.ruler.vt_utils import sys_vartrack_w_noise_random
+
+        icl = sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500, incremental=5)[0]
+        return sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=num_samples, max_seq_length=length,
+                                           icl_example=icl)
+    if name == "ruler_cwe":
+        from lm_eval.tasks.ruler.cwe_utils import sys_word_pair_random
+
+        return sys_word_pair_random(num_samples=num_samples, max_seq_length=length, tokenizer=tokenizer)
+    if name == "ruler_fwe":
+        from lm_eval.tasks.ruler.fwe_utils import sys_kwext
+
+        return sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=num_samples)
+    raise ValueError(f"no local RULER generator for {name!r}; known: {sorted(set(RULER_TASKS) - set(QA))}")
+
+
+def dataset(*, ruler_task: str, max_seq_lengths, num_samples: int, tokenizer, haystack: str, data_dir=None,
+            **_metadata):
+    """custom_dataset of ruler_local.yaml: the samples of every length, with the columns lm-eval's RULER uses."""
+    import datasets
+
+    text = corpus_text(haystack, data_dir) if ruler_task in ESSAY_TASKS else ""
+    rows = [{key: row[key] for key in ("index", "input", "outputs", "length", "max_length", "gen_prefix")}
+            for length in max_seq_lengths for row in samples(ruler_task, int(length), num_samples, tokenizer, text)]
+    return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """lm-eval's RULER score of one sample (every expected string found in the answer), under its length."""
+    from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all
+
+    return {str(doc["max_length"]): string_match_all(postprocess_pred(results), [doc["outputs"]])}
+
+
+def task_manager(name: str, lengths: list[int], num_samples: int, tokenizer, haystack: str, data_dir=None):
+    """A TaskManager that knows one task, `name` (lm-eval's RULER task name), generated locally at `lengths`.
+
+    Only our YAML is indexed (include_defaults=False: lm-eval's own `niah_single_1` would download). The
+    tokenizer goes in the metadata as an object; lm-eval passes metadata to custom_dataset as keyword arguments."""
+    import tempfile
+
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    if name not in RULER_TASKS or name in QA:
+        raise ValueError(f"no local RULER task {name!r}")
+    tmp = tempfile.TemporaryDirectory(prefix="ruler_local_")
+    wrapper = {
+        "include": str(TEMPLATE_YAML),  # keeps `!function ruler.*` resolving to this folder
+        "task": name,
+        "generation_kwargs": {"do_sample": False, "temperature": 0.0, "max_gen_toks": RULER_TASKS[name],
+                              "until": []},
+        "metric_list": [{"metric": str(n), "aggregation": "mean", "higher_is_better": True} for n in lengths],
+        "metadata": {"version": 1.0, "ruler_task": name, "max_seq_lengths": [int(n) for n in lengths],
+                     "num_samples": int(num_samples), "haystack": haystack, "data_dir": data_dir},
+    }
+    (Path(tmp.name) / f"{name}.yaml").write_text(yaml.safe_dump(wrapper, sort_keys=False))
+    tm = TaskManager(include_path=[tmp.name], include_defaults=False, metadata={"tokenizer": tokenizer})
+    tm._ruler_tmpdir = tmp  # the wrapper lives as long as the manager
+    return tm
