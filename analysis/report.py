@@ -32,7 +32,7 @@ from analysis import figures as F
 from analysis import speed as S
 from analysis import store
 from analysis import tables as T
-from experiments.runner import NON_SEMANTIC, NON_SEMANTIC_METHOD
+from experiments.runner import semantic_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADLINE = re.compile(r"(<!-- report:headline -->\n)(.*?)(<!-- /report:headline -->)", re.DOTALL)
@@ -49,9 +49,7 @@ SKEW_PPL = f"{PPL} +point=infinigen_a99_b0.2_p0.1,infinigen_a99_b0.2_p0.1_noskew
 def semantic(config: dict) -> str:
     """What a run computes, as text: the config without locations and bookkeeping (the runner's config hash
     without the data identity, which needs the data folder)."""
-    out = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
-    out["method"] = {k: v for k, v in out.get("method", {}).items() if k not in NON_SEMANTIC_METHOD}
-    return json.dumps(out, sort_keys=True, default=str)
+    return json.dumps(semantic_config(config), sort_keys=True, default=str)
 
 
 def overrides_of(command: str) -> tuple[list[str], bool]:

@@ -118,12 +118,27 @@ def data_identity(cfg) -> dict:
     return out
 
 
+# lm_eval options only RULER tasks read: a run without one computes the same whatever they say
+RULER_OPTIONS = ("max_seq_lengths", "haystack")
+
+
+def semantic_config(config: dict) -> dict:
+    """What a run computes: a resolved config without locations, bookkeeping and options the run does not read."""
+    out = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
+    out["method"] = {k: v for k, v in out.get("method", {}).items() if k not in NON_SEMANTIC_METHOD}
+    task = out.get("task")
+    if isinstance(task, dict) and task.get("name") == "lm_eval":
+        names = [task["tasks"]] if isinstance(task.get("tasks"), str) else list(task.get("tasks") or [])
+        if not ruler_names(names):
+            out["task"] = {k: v for k, v in task.items() if k not in RULER_OPTIONS}
+    return out
+
+
 def config_hash(cfg: DictConfig) -> str:
     """sha256 of what a run computes: the config without locations and bookkeeping, plus the content identity of
     its data (sha256 of each file read, or the hub dataset), so another data folder with other text is another
     run, and the same data moved elsewhere is the same one."""
-    semantic = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NON_SEMANTIC}
-    semantic["method"] = {k: v for k, v in semantic["method"].items() if k not in NON_SEMANTIC_METHOD}
+    semantic = semantic_config(OmegaConf.to_container(cfg, resolve=True))
     semantic["data"] = corpora.without_paths(data_identity(cfg))
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

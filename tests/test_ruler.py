@@ -124,3 +124,17 @@ def test_rows_record_the_essay_haystack(tmp_path, data_dir):
     data = runner.data_identity(cfg)["ruler"]
     assert data["essay_tasks"] == ["niah_single_2"] and data["essay_haystack"]["dataset"] == "wikitext2"
     assert data["essay_haystack"]["sha256"].startswith("173c87a5")  # WikiText-2 raw test (SOURCES.md)
+
+
+def test_ruler_options_are_part_of_what_ruler_runs_compute_only():
+    """A COPA run computes the same whatever the RULER options say: its config hash (and the report's matching of
+    stored rows) leaves them out; a RULER run's keeps them."""
+    from experiments.runner import semantic_config
+
+    def config(tasks, lengths):
+        return {"model": {"name": "m"}, "method": {"_target_": "baselines.full.Full"}, "data_dir": "/d",
+                "task": {"name": "lm_eval", "tasks": tasks, "max_seq_lengths": lengths, "haystack": "wikitext2"}}
+
+    assert semantic_config(config(["copa"], [1024])) == semantic_config(config(["copa"], [2048]))
+    assert "max_seq_lengths" not in semantic_config(config("copa", [1024]))["task"]
+    assert semantic_config(config(["niah_single_1"], [1024])) != semantic_config(config(["niah_single_1"], [2048]))
