@@ -692,9 +692,9 @@ OTHERS = (f"{PPL} method=oracle method.budget=0.1,0.2",
           f"{PPL} task.dense_rows=512 method=snapkv method.budget=0.2",
           f"{PPL} task.dense_rows=512 method=full",
           f"{PPL} task.dense_rows=512 method=oracle method.budget=0.1,0.2")
-# the protocol is 8 windows (successors_ppl: 4, what a preset may take here); the rows: one window
-SUCCESSORS = ("python run.py -m +experiment=successors_ppl task.max_windows=1",
-              "python run.py -m +experiment=successors_latency")
+# the protocol is 8 windows (task.max_windows=8); the preset and the rows: one window
+SUCCESSORS = ("python run.py -m +experiment=successors_ppl_smoke",
+              "python run.py -m +experiment=successors_latency_smoke")
 LATENCY = ("python run.py -m +experiment=fig14_15_latency_batch_smoke",
            "python run.py -m +experiment=fig16a_latency_prompt_smoke",
            "python run.py -m +experiment=fig16b_latency_model_smoke",
@@ -844,7 +844,8 @@ def render(section: Section, matched: Matched, out: Path, figure_dir: str, figur
               else "**Verdict (computed from the store):**", ""]
     if len(verdicts) > 1:
         lines += [f"* {v}" for v in verdicts] + [""]
-    lines += ["Rows from:", "", "```bash", *section.commands, "```", ""]
+    if section.commands:  # a script's section names its command in its note
+        lines += ["Rows from:", "", "```bash", *section.commands, "```", ""]
     lines.append(f"{matched.present} of {matched.total} configs in the store"
                  + (f" ({provenance(rows)})." if matched.present else "."))
     if matched.missing:

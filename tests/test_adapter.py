@@ -18,11 +18,12 @@ def test_full_sim_and_decode_equal_hf_eager(name):
         ref = model(ids).logits.float()  # HF's own eager attention
     assert model.config._attn_implementation == "eager"
     # the exact kernel is transformers' eager math (fused == exact: tests/test_longctx.py)
-    sim = modes.sim_logits(model, Full(), ids, dense_rows=64, attention="exact")
+    sim = modes.sim_logits(model, Full(), ids, dense_rows=80, attention="exact")
     torch.testing.assert_close(sim, ref, atol=1e-5, rtol=0)
-    # predictions of 64..95: each decode step is a forward of the whole model on both sides
-    dec = modes.decode_logits(model, Full(), ids, dense_rows=64, attention="exact")
-    torch.testing.assert_close(dec, hf_decode_logits(model, ids, 64), atol=1e-5, rtol=0)
+    # predictions of 80..95: each decode step is a forward of the whole model on both sides (greedy generation
+    # against HF's own generate: test_greedy_decode_equals_hf_generate)
+    dec = modes.decode_logits(model, Full(), ids, dense_rows=80, attention="exact")
+    torch.testing.assert_close(dec, hf_decode_logits(model, ids, 80), atol=1e-5, rtol=0)
 
 
 @torch.inference_mode()
