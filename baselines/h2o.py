@@ -117,10 +117,8 @@ class H2O(KVMethod):
         per row only (b, h_kv, g, r1)-sized ops run: future and evicted entries are masked (their
         probability is exactly 0) and evicted ones carry +inf accumulated attention, so candidates are simply
         the prefix before the window."""
-        b, hk, t, s = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"H2O sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
-        n_dense = min(session.dense_rows, t)
+        b, hk, s = q.shape[0], k.shape[1], k.shape[2]
+        t, n_dense = self.sim_rows(session, q, k)
         scale = layer.logit_scale
         masked = torch.finfo(q.dtype).min
         acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)  # +inf = evicted

@@ -165,9 +165,7 @@ class KIVI(KVMethod):
     def forward_attention(self, session, layer, q, k, v, allowed):
         if session.mode == "decode":  # dense fp prefill; the store quantises it
             return super().forward_attention(session, layer, q, k, v, allowed)
-        t, s = q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"KIVI sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
+        (t, _), s = self.sim_rows(session, q, k), k.shape[2]
         kq = fake_quantize_keys(k, self.bits, self.group_size)  # (b, hk, s, d), the version each key has once flushed
         vq = fake_quantize(v, self.bits, self.value_group(layer.head_dim))
         # rows in chunks (infinigen.contract.SIM_CHUNK): (rows, s) score tensors, never (t, s)

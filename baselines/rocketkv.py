@@ -141,10 +141,7 @@ class RocketKV(GatheringMethod):
 
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
-        t, s = q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"RocketKV sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
-        P = min(session.dense_rows, t)
+        t, P = self.sim_rows(session, q, k)
         plan = self.plan(session.max_len or t, P, layer.head_dim)
         b, hk = k.shape[:2]
         kept = self.stage1(plan, q[:, :, :P], k[:, :, :P], layer.logit_scale) if P else None

@@ -178,13 +178,7 @@ class ShadowKV(GatheringMethod):
 
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
-        t, s = q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"ShadowKV sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
-        if session.dense_rows == 0:
-            raise ValueError("ShadowKV factors a prompt: with dense_rows=0 there is none (set task.dense_rows to the "
-                             "prompt length, or use lm-eval's protocol=serving)")
-        P = min(session.dense_rows, t)
+        t, P = self.sim_rows(session, q, k)
         pe = session.position_embeddings
         cos, sin = (None, None) if pe is None else (pe[0][:, :P], pe[1][:, :P])  # OPT: no RoPE, no tables
         state = self.analyse(layer, k[:, :, :P], cos, sin)

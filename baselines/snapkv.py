@@ -87,13 +87,7 @@ class SnapKV(KVMethod):
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
         """The kept prompt entries per KV head (ascending indices, (b, h_kv, kept)) and the prompt length."""
-        t, s = q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"SnapKV sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
-        if session.dense_rows == 0:
-            raise ValueError("SnapKV compresses a prompt: with dense_rows=0 there is none (set task.dense_rows to "
-                             "the prompt length, or use lm-eval's protocol=serving)")
-        n = min(session.dense_rows, t)
+        t, n = self.sim_rows(session, q, k)
         kept = self.prompt_kept(q[:, :, :n], k[:, :, :n], layer.logit_scale)
         return None if kept is None else (kept, n)
 

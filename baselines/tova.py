@@ -56,9 +56,8 @@ class TOVA(KVMethod):
     def sim_state(self, session, layer, q, k, v, allowed):
         """Replays decode mode's evictions row by row, one row's logits at a time (memory O(h x t)); returns
         last_row (b, h_kv, s): the last query row that attends each entry (t = never evicted)."""
-        b, hk, t, s = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
-        if s != t:
-            raise ValueError(f"TOVA sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
+        b, hk, s = q.shape[0], k.shape[1], k.shape[2]
+        t, _ = self.sim_rows(session, q, k)
         held = torch.zeros(b, hk, s, dtype=torch.bool, device=q.device)
         last_row = torch.full((b, hk, s), t, device=q.device)
 

@@ -231,6 +231,18 @@ class KVMethod:
     def reset_stats(self) -> None:
         self.stats = KVStats()
 
+    def sim_rows(self, session: Session, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+        """(t, prompt rows) of sim mode's one forward over the whole sequence; anything else is refused, and so is
+        a method that compresses a prompt (needs_prompt) given none."""
+        t, s = q.shape[2], k.shape[2]
+        name = type(self).__name__
+        if s != t:
+            raise ValueError(f"{name} sim mode expects one forward over the whole sequence (t == s), got t={t}, s={s}")
+        if self.needs_prompt and session.dense_rows == 0:
+            raise ValueError(f"{name} compresses a prompt: with dense_rows=0 there is none (set task.dense_rows to "
+                             "the prompt length, or use lm-eval's protocol=serving)")
+        return t, min(session.dense_rows, t)
+
     def new_store(self, layer: AttentionLayer) -> KVStore:
         return KVStore()
 
