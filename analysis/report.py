@@ -35,7 +35,6 @@ from analysis import tables as T
 from experiments.runner import semantic_config
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADLINE = re.compile(r"(<!-- report:headline -->\n)(.*?)(<!-- /report:headline -->)", re.DOTALL)
 # every generated block of the README: <!-- report:NAME --> ... <!-- /report:NAME -->
 BLOCK = re.compile(r"(<!-- report:(\w+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
 # the perplexity setting of the comparisons: one 1024-token WikiText-2 window (what a shared 2-core CPU affords)
