@@ -96,3 +96,31 @@ def test_random_init_builds_real_shapes_without_weights():
     cfg = model_cfg("llama-3-8b", random_init=True)
     config = adapter.model_config(cfg)
     assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (32, 8, 32)
+
+
+@pytest.mark.slow
+def test_gguf_conversion_is_exact(data_dir):
+    """adapter.load reads a GGUF model through its one-time float32 conversion: the same tensors, config,
+    tokenizer and logits as transformers' own GGUF loader."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from infinigen import models
+    from infinigen.corpora import corpus_text
+
+    cfg = model_cfg("smollm2-135m")
+    src, extra = models.source(cfg)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager", **extra)
+    ref_tok = AutoTokenizer.from_pretrained(src, **extra)
+    model, tok = load_model("smollm2-135m")
+    ours, theirs = model.state_dict(), ref.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    skip = {"_name_or_path", "dtype", "architectures"}  # where it was read from, and what saving records
+    config, ref_config = adapter.model_config(cfg).to_dict(), AutoConfig.from_pretrained(src, **extra).to_dict()
+    assert {k: v for k, v in config.items() if k not in skip} == {k: v for k, v in ref_config.items() if k not in skip}
+    text = corpus_text("wikitext2", data_dir)[:50000]
+    assert tok(text).input_ids == ref_tok(text).input_ids
+    assert [tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template] == \
+        [ref_tok.bos_token, ref_tok.eos_token, ref_tok.eos_token, ref_tok.chat_template]
+    ids = tok(text[:2000], return_tensors="pt").input_ids[:, :128]
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
