@@ -190,7 +190,9 @@ def remodel(args, hardware: dict, data_dir) -> int:
               f"{'':>15} {modelled['decode_ms_median']:>9.1f} {ratio:>6.2f}", flush=True)
         modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"], ratio=ratio)
         digest = runner.config_hash(mcfg)
-        rows = runner.make_rows(mcfg, method, digest, [modelled], row["meta"])
+        meta = {**row["meta"], "git_commit": runner.git_commit(), "measured_commit": row["meta"]["git_commit"],
+                "finished": datetime.now(timezone.utc).isoformat()}  # modelled now, of a run measured then
+        rows = runner.make_rows(mcfg, method, digest, [modelled], meta)
         for r in rows:
             r["method"] = r["method_params"]["name"] = method_cfg
         store.append_rows(args.results, digest, rows)

@@ -39,7 +39,10 @@ from infinigen.offload.runtime import OffloadRuntime
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 CENSUS_PROMPT, CENSUS_STEPS = 64, 5
-CONTEXT_PROMPTS = (256, 1024)  # context lengths of the context_seconds slope
+# context lengths of the context_seconds slope: the range decode runs here span (an extrapolation past 1024 read
+# 10.7-21.2 us/token for full attention's 30 layers in three runs; 256-2048 read 13.2-19.8, the real model 19.6)
+CONTEXT_PROMPTS = (256, 2048)
+CONTEXT_ROUNDS = 3  # slopes measured in turn; their median (this VM's speed drifts between seconds)
 TIMED_REPEATS = 7  # runs of the stand-in per timed census (the median of their steady steps)
 CACHE = Path(".cache/infinigen/census")
 
@@ -161,13 +164,17 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
         # at the run's batch (up to 8): a CPU's caches hold one row's KV and not eight, so the cost per
         # (row, token) depends on the batch
         rows = min(batch, 8)
-        ident += [d, CONTEXT_PROMPTS, rows, platform.node(), torch.get_num_threads()]
+        ident += [d, CONTEXT_PROMPTS, CONTEXT_ROUNDS, rows, platform.node(), torch.get_num_threads()]
 
         def timed():
             lo, hi = CONTEXT_PROMPTS
-            at = {p: _count(model_cfg, method, runtime, rows, n, "seconds", prompt=p, head_dim=d)
-                  for p in (lo, hi)}
-            return [{seg: max(0.0, (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo) / rows) for seg in SEGMENTS}
+            slopes = []
+            for _ in range(CONTEXT_ROUNDS):
+                at = {p: _count(model_cfg, method, runtime, rows, n, "seconds", prompt=p, head_dim=d)
+                      for p in (lo, hi)}
+                slopes.append([{seg: (at[hi][i][seg] - at[lo][i][seg]) / (hi - lo) / rows for seg in SEGMENTS}
+                               for i in range(n + 1)])
+            return [{seg: max(0.0, statistics.median(s[i][seg] for s in slopes)) for seg in SEGMENTS}
                     for i in range(n + 1)]
 
         return _spread(_cached(ident, timed), kinds)
