@@ -52,7 +52,7 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
     blocks = {m.group(2): m.group(3) for m in report.BLOCK.finditer((ROOT / "README.md").read_text())}
     assert "headline" in blocks, "README.md lost its <!-- report:headline --> block"
     assert made["headline"] == blocks["headline"], "README headline differs from docs/store: run `make report`"
-    assert set(blocks) == {"headline", "memory"}
+    assert set(blocks) == {"headline", "memory", "speed"}
     for name, text in made.items():
         assert text == blocks[name], f"README block {name} differs from docs/store: make report"
     numbers = re.findall(r"\d+\.\d+", blocks["headline"])
