@@ -275,3 +275,17 @@ def test_an_alpha_sweep_still_falling_at_its_end_is_no_plateau(tmp_path):
     ppl_run(tmp_path, f"{5:016x}", "infinigen", {"alpha": 11.0, "partial_ratio": 0.2, "budget": 0.2}, 24.0, kv=0.27)
     verdict = report.plateau(report.load(tmp_path), "alpha")
     assert "within 2% of the sweep's best (24) from alpha = 9 on" in verdict[0], verdict
+
+
+def test_successors_verdict_reads_the_oracle_as_the_bound_and_prints_no_missing_recall():
+    """The successors section's verdict (committed rows): every compared method at each budget level; the oracle is
+    the exact top-k, so when it leads the line also names the best of the others; Quest records no recall, and the
+    line says nothing of it rather than 'recall n/a'."""
+    rows = report.match(report.load(DOCS / "store"), report.SUCCESSORS).rows
+    levels = [line for line in report.successors_verdict(rows) if "perplexity gap" in line]
+    assert len(levels) == 2
+    for line in levels:
+        assert all(f"{m} " in line for m in ("rocketkv", "shadowkv", "infinigen", "oracle", "quest")), line
+        assert "n/a" not in line
+        best = line.split("most accurate: ", 1)[1]
+        assert not best.startswith("oracle") or best.startswith("oracle (the exact top-k), of the others "), line
