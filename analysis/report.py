@@ -659,7 +659,8 @@ def ruler_verdict(rows: pd.DataFrame) -> list[str]:
     data = data[F.column(data, "metrics.benchmark") == "ruler"]
     minutes = (F.metric(data, "seconds").groupby(data["_file"]).sum() / 60).groupby(
         data.groupby("_file")["method"].first()).sum().sort_values()
-    out.append("evaluation time in the rows (lm-eval's sample generation, prefill and decode; sum over a run's rows, "
+    out.append("wall time in the rows (lm-eval's sample generation, prefill and decode, summed over a run's rows; on "
+               "a shared machine it includes time the run was paused, "
                f"{', '.join(sorted(set(F.column(data, 'meta.device').astype(str) + ' x ' + F.column(data, 'meta.threads').astype(str) + ' threads')))}): "
                + ", ".join(f"{m} {num(v, 2)} min" for m, v in minutes.items()))
     return out
