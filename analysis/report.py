@@ -623,6 +623,49 @@ def long_verdict(rows: pd.DataFrame) -> list[str]:
     return out
 
 
+def ruler_verdict(rows: pd.DataFrame) -> list[str]:
+    """Per model: full attention's score per RULER task @ length, which cells are informative (full >=
+    figures.RULER_INFORMATIVE), then each method's mean score over the informative cells it ran, as a share of
+    full's over the same cells, and what the rows' evaluations took."""
+    cells = F.ruler_cells(rows)
+    if cells.empty:
+        return needs("RULER rows")
+    out = []
+    for model, part in cells.groupby("model"):
+        full = part[part["setting"] == "full"]
+        if full.empty:
+            out += needs(f"RULER rows of full attention on {model}")
+            continue
+        out.append(f"{model} with full attention, score per task @ length: "
+                   + ", ".join(f"{r.task} @ {r.length:.0f} {num(r.score, 2)}" for r in full.itertuples()))
+        useful, useless = full[full["informative"]], full[~full["informative"]]
+        out.append(f"informative (full >= {num(F.RULER_INFORMATIVE)}): {len(useful)} of {len(full)} cells"
+                   + (f" ({', '.join(sorted(set(useful['task'])))})" if len(useful) else "")
+                   + (f"; uninformative, excluded from the comparison: "
+                      + ", ".join(f"{r.task} @ {r.length:.0f}" for r in useless.itertuples()) if len(useless) else ""))
+        compared = part[part["informative"] & (part["setting"] != "full")]
+        if useful.empty or compared.empty:
+            out += needs(f"RULER rows of KV methods on the informative cells of {model}")
+            continue
+        by = compared.groupby("setting").agg(score=("score", "mean"), full=("full_score", "mean"),
+                                             kv=("kv_fraction", "mean"), n=("score", "size"))
+        by = by.assign(share=by["score"] / by["full"]).sort_values(["share", "kv"], ascending=[False, True])
+        out.append(f"on the informative cells (full's mean {num(useful['score'].mean(), 2)} over {len(useful)}), mean "
+                   "score and its share of full's on the same cells: "
+                   + ", ".join(f"{s} {num(r.score, 2)} ({num(100 * r.share, 3)}%, kv {num(r.kv, 2)}"
+                               + (f", {r.n} of {len(useful)} cells" if r.n < len(useful) else "") + ")"
+                               for s, r in by.iterrows()))
+    data = F.of_task(rows, "lm_eval")
+    data = data[F.column(data, "metrics.benchmark") == "ruler"]
+    minutes = (F.metric(data, "seconds").groupby(data["_file"]).sum() / 60).groupby(
+        data.groupby("_file")["method"].first()).sum().sort_values()
+    out.append("wall time in the rows (lm-eval's sample generation, prefill and decode, summed over a run's rows; on "
+               "a shared machine it includes time the run was paused, "
+               f"{', '.join(sorted(set(F.column(data, 'meta.device').astype(str) + ' x ' + F.column(data, 'meta.threads').astype(str) + ' threads')))}): "
+               + ", ".join(f"{m} {num(v, 2)} min" for m, v in minutes.items()))
+    return out
+
+
 def successors_table(rows: pd.DataFrame) -> pd.DataFrame:
     out = T.table(rows, "successors")
     return out.drop(columns=[c for c in ("model",) if c in out.columns])
@@ -796,6 +839,17 @@ SECTIONS: list[Section] = [
             ("python run.py -m +experiment=needle_smollm2_smoke",),
             needle_table,
             long_verdict, figure_of("needle_heatmap")),
+    Section("ruler", "Beyond the paper: RULER",
+            "lm-eval's RULER tasks (needles, variable tracking, common / frequent word extraction), generated "
+            "offline with the model's tokenizer and scored through each method's decode-mode cache: which tasks "
+            "SmolLM2-135M can do at all with full attention, and how the KV methods at ~20% of the KV compare on "
+            f"those (a cell where full attention scores below {F.RULER_INFORMATIVE:g} says nothing about a method: "
+            "hatched in the figure, left out of the table and the comparison). Options and refusals: "
+            "docs/long_context.md.",
+            ("python run.py -m +experiment=ruler_smollm2_smoke",),
+            T.ruler_table, ruler_verdict, figure_of("ruler_heatmap"),
+            note="The preset generates a few samples per (task, length) (its task.limit): a cell's score moves in "
+                 "steps of one sample (cwe and the multi-needle tasks give partial credit within a sample)."),
     Section("sim_cost", "Beyond the paper: sim-mode cost",
             "What a perplexity run costs per method in sim mode (all rows of a window in one forward), relative to "
             "full attention: wall time less the model load, per window.",
@@ -901,7 +955,7 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     df = load(store_dir)
     verdicts: dict[str, list[str]] = {}
     # rows written by scripts (experiments/validate_perf.py, bench_memory.py), not by a run.py command
-    scripted = (F.column(df, "metrics.validation_point").notna() | F.column(df, "metrics.benchmark").notna()
+    scripted = (F.column(df, "metrics.validation_point").notna() | (F.column(df, "metrics.benchmark") == "memory")
                 if not df.empty else pd.Series(dtype=bool))
     script_rows, df = (df[scripted], df[~scripted]) if not df.empty else (df, df)
     commands = list(dict.fromkeys(c for s in SECTIONS for c in s.commands))

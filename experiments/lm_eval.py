@@ -150,6 +150,15 @@ def validate(task, data_dir) -> None:
         lm_eval_setup(names, data_dir, include_path)  # only lm-eval's task index (built in 10-30 s) knows them
 
 
+def validate_config(cfg, method) -> None:
+    """A model without a tokenizer reads bytes (one token per byte): RULER's vt, cwe and fwe samples must still fit
+    their lengths, or lm-eval's generators loop forever (checked again with a real tokenizer once it is loaded)."""
+    rulers = ruler_tasks(cfg.task)
+    if rulers and cfg.model.get("random_init"):
+        ruler.check_fits(rulers, _plain(cfg.task.max_seq_lengths), ruler.byte_count,
+                         f"the byte tokenizer of {cfg.model.name} (random_init: no tokenizer of its own)")
+
+
 def _plain(value):
     return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
 

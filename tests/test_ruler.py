@@ -41,6 +41,11 @@ def run_cfg(tmp_path, data_dir, *overrides):
         (["task.tasks=[niah_single_2]", "task.max_seq_lengths=[512]", "task.haystack=file:{short}"],
          r"task.haystack 'file:.*' \(.*\) has 9 words"),
         (["task.tasks=[ruler_fwe]", "task.max_seq_lengths=[512]", "task.limit=0"], "task.limit"),
+        # the byte tokenizer (tiny-llama has none): lm-eval's generators would loop forever on these
+        (["task.tasks=[ruler_vt]", "task.max_seq_lengths=[1024]"], "task.tasks: ruler_vt cannot be generated with "
+                                                                    "the byte tokenizer of tiny-llama"),
+        (["task.tasks=[niah_single_1,ruler_fwe]", "task.max_seq_lengths=[300,512]"],
+         r"task.max_seq_lengths \[300\]: the shortest ruler_fwe sample takes 364 tokens"),
     ],
 )
 def test_refused_before_model_load(overrides, option, tmp_path, data_dir, monkeypatch):
@@ -79,6 +84,17 @@ def test_samples_fit_their_length_and_limit_is_per_length(tiny):
     first = ruler.dataset(ruler_task="ruler_fwe", max_seq_lengths=[512], num_samples=1, tokenizer=tok,
                           haystack="wikitext2")["test"]
     assert first[0]["input"] == data[2]["input"]  # a length's samples do not depend on other lengths or the limit
+
+
+def test_generation_refuses_a_length_its_generator_cannot_fill(tiny):
+    """At the shortest fwe prompt's length lm-eval's generator ends; one token less and it would loop forever
+    (its fit loop retries a prompt that cannot shrink): refused first, naming the option."""
+    _, tok = tiny
+    (template, reserved, _), = ruler.shortest_texts("ruler_fwe")
+    floor = ruler.byte_count(template) + reserved
+    assert len(ruler.samples("ruler_fwe", floor, 1, tok, "")) == 1
+    with pytest.raises(ValueError, match=rf"task.max_seq_lengths \[{floor - 1}\]"):
+        ruler.samples("ruler_fwe", floor - 1, 1, tok, "")
 
 
 def test_full_matches_lm_eval_hflm(tiny, data_dir):

@@ -130,8 +130,66 @@ def _seed(name: str, length: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def shortest_texts(name: str) -> list[tuple[str, int, int | None]]:
+    """(text, reserved, within) for the shortest samples lm-eval's vt, cwe and fwe generators fall back to:
+    each generator shrinks a sample until it fits and loops forever (a bare `except:` retrying) when even this
+    one does not fit `within` tokens (None: each of task.max_seq_lengths) with `reserved` tokens for the answer, as
+    the generator counts it. vt's in-context example is generated
+    at 500 tokens whatever the lengths. niah's generator gives up instead (lm-eval #2963): none."""
+    import random
+
+    import numpy as np
+
+    if name == "ruler_fwe":
+        from lm_eval.tasks.ruler.fwe_utils import TEMPLATE
+
+        return [(TEMPLATE.format(context=""), 0, None)]  # fwe's fit loop reserves no room for the answer
+    if name == "ruler_cwe":
+        from lm_eval.tasks.ruler.cwe_utils import TEMPLATE
+
+        return [(TEMPLATE.format(context="", query=""), RULER_TASKS[name], None)]
+    if name != "ruler_vt":
+        return []
+    from lm_eval.tasks.ruler.vt_utils import generate_input_output
+
+    state = random.getstate(), np.random.get_state()  # the chains' names and values are random, their sizes not
+    try:
+        icl, icl_answer = generate_input_output(5, 1, 4, is_icl=True)  # samples(): the ICL's first try, 5 noises
+        text, answer = generate_input_output(10, 1, 4)  # the sample's first try: 10 noises (vt's increment)
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+    return [(f"{icl} {icl_answer}", RULER_TASKS[name], 500),
+            (f"{icl} {' '.join(icl_answer)}\n\n{text} {answer}", RULER_TASKS[name], None)]
+
+
+def check_fits(names: list[str], lengths, count, tokenizer_name: str) -> None:
+    """ValueError naming the option when a sample of a task in `names` cannot fit its length with this tokenizer
+    (`count`: text -> tokens), before lm-eval's generator would loop forever on it."""
+    for name in names:
+        for text, reserved, within in shortest_texts(name):
+            need = count(text) + reserved
+            if within is not None and need > within:
+                raise ValueError(
+                    f"task.tasks: {name} cannot be generated with {tokenizer_name}: lm-eval builds its in-context "
+                    f"example within {within} tokens and its shortest one takes {need}; its "
+                    "generator would loop forever. Remove it from task.tasks or use a model with a real tokenizer")
+            short = [n for n in lengths if within is None and need > n]
+            if short:
+                raise ValueError(
+                    f"task.max_seq_lengths {short}: the shortest {name} sample takes {need} tokens with "
+                    f"{tokenizer_name}, more than that length; lm-eval's generator would loop "
+                    f"forever. Use lengths >= {need}")
+
+
+def byte_count(text: str) -> int:
+    """Tokens of `text` for the byte tokenizer of models without one (adapter.byte_tokenizer): its UTF-8 bytes."""
+    return len(text.encode("utf-8"))
+
+
 def samples(name: str, length: int, num_samples: int, tokenizer, haystack_text: str) -> list[dict]:
     """`num_samples` RULER samples of task `name` at `length` tokens, from lm-eval's generator for that task."""
+    check_fits([name], [length], lambda text: len(tokenizer(text).input_ids), "this model's tokenizer")
     _seed(name, length)
     if name in NIAH:
         _use_local_punkt()
