@@ -182,7 +182,9 @@ def context(rows: pd.DataFrame) -> str:
     models = ", ".join(models_by_size(rows["model"].dropna().astype(str)))
     devices = ", ".join(sorted({str(d) for d in column(rows, "meta.device").dropna()})) or "device not recorded"
     data = {str(d) for d in column(rows, "task_params.dataset").dropna()}
-    data |= {str(t) for t in column(rows, "metrics.task").dropna()}
+    tasks = {str(t) for t in column(rows, "metrics.task").dropna()}
+    # a suite's task names would not fit a title line: counted instead (the panels name them)
+    data |= tasks if len(tasks) <= 6 else {f"{len(tasks)} lm-eval tasks"}
     if "needle" in set(rows.get("task", [])):
         data |= {f"needle ({f} filler)" for f in column(rows, "task_params.filler").fillna("repeat")}
     return " | ".join(part for part in (models, devices, ", ".join(sorted(data))) if part)
@@ -829,7 +831,7 @@ def ruler_heatmap(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
         ax.set_xlabel("max_seq_length (tokens)")
         ax.set_ylabel("RULER task")
         kv = part["kv_fraction"].mean()
-        ax.set_title(f"{model}: {setting}" + (f" (kv {kv:.2f})" if np.isfinite(kv) else ""), fontsize=8)
+        ax.set_title(f"{model}:\n{setting}" + (f" (kv {kv:.2f})" if np.isfinite(kv) else ""), fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.8, label="score")
     titled(fig, title, of_task(df, "lm_eval")[lambda r: column(r, "metrics.benchmark") == "ruler"])
     return fig, cells
