@@ -135,8 +135,10 @@ def _converted_gguf(gguf: Path, convert: bool) -> Path | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = converted_dir(gguf)
-    if (folder / "config.json").is_file() or not convert:
-        return folder if (folder / "config.json").is_file() else None
+    if (folder / "config.json").is_file():
+        return folder
+    if not convert:
+        return None
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
@@ -146,11 +148,11 @@ def _converted_gguf(gguf: Path, convert: bool) -> Path | None:
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(staging)
         del loaded
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the folder from other users of a shared cache
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+        model.save_pretrained(staging)
         del model
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the folder from other users of a shared cache
         try:
             staging.rename(folder)  # atomic: a concurrent process sees no folder or a whole one
         except OSError:
