@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import GatheringMethod
+from infinigen.contract import GatheringMethod, grouped_matmul
 from infinigen.infinigen_method.select_evict import budget_cap, top_n
 
 GQA_REDUCE = ("max", "sum")
@@ -35,7 +35,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     q (b, h_kv, g, r, d); kmin/kmax (b, h_kv, n_pages, d) -> (b, h_kv, g, r, n_pages).
     max(q*lo, q*hi) is q*hi for q >= 0 and q*lo for q < 0 (lo <= hi), so it is two matmuls."""
     pos = q.clamp(min=0)
-    return torch.matmul(pos, kmax.unsqueeze(2).transpose(-1, -2)) + torch.matmul(q - pos, kmin.unsqueeze(2).transpose(-1, -2))
+    return grouped_matmul(pos, kmax) + grouped_matmul(q - pos, kmin)
 
 
 def page_metadata(store: KVStore) -> dict:

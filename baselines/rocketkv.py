@@ -12,7 +12,7 @@ import torch
 
 from baselines.shadowkv import NEG, gather_seq, record_recall, stable_top
 from baselines.snapkv import SnapKV
-from infinigen.contract import GatheringMethod
+from infinigen.contract import GatheringMethod, grouped_matmul
 
 
 def chunk_prefix(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +125,7 @@ class RocketKV(GatheringMethod):
         top = torch.zeros(b, hk, r, d, dtype=torch.bool, device=q.device)
         top.scatter_(-1, stable_top(mag.mean(2), channels), True)  # (b, hk, r, d)
         up = q.sum(2) > 0  # the group's sign per channel: max of k where it is +, min where it is -
-        scores = torch.matmul(q * (top & up).unsqueeze(2), hi.unsqueeze(2).transpose(-1, -2)) + \
-            torch.matmul(q * (top & ~up).unsqueeze(2), lo.unsqueeze(2).transpose(-1, -2))
+        scores = grouped_matmul(q * (top & up).unsqueeze(2), hi) + grouped_matmul(q * (top & ~up).unsqueeze(2), lo)
         share = (mag * top.unsqueeze(2)).sum(-1, keepdim=True) / mag.sum(-1, keepdim=True).clamp(min=1e-30)
         return scores, layer.logit_scale / share.clamp(min=1e-30).sqrt()
 

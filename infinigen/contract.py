@@ -43,17 +43,15 @@ def attend(
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     g = h // hk
-    # Exactly transformers' eager attention (KV heads repeated, then one batched matmul; no fused kernel), so
-    # `full` reproduces the model's own logits to 1e-5 in fp32 over 30 layers.
-    kr = k[:, :, None].expand(b, hk, g, s, d).reshape(b, h, s, d)
-    vr = v[:, :, None].expand(b, hk, g, s, d).reshape(b, h, s, d)
-    scores = torch.matmul(q, kr.transpose(2, 3)) * scale  # (b, h, t, s)
+    # transformers' eager math (one batched matmul, scaled after, a float32 softmax; no fused kernel), so `full`
+    # reproduces the model's own logits, with one difference: eager repeats every KV head for its g query heads,
+    # a copy of the whole cache per layer and step (at batch 8 x 2048 tokens that copy was most of a decode
+    # step). Here each KV head's g query heads are folded into its rows and the KV is read in place.
+    scores = torch.matmul(q.reshape(b, hk, g * t, d), k.transpose(2, 3)).view(b, hk, g, t, s) * scale
     if keep is not None:
-        mask = keep.unsqueeze(2).expand(b, keep.shape[1], g, t, s) if keep.shape[1] > 1 else keep
-        scores = scores.masked_fill(~mask.reshape(b, -1, t, s) if keep.shape[1] > 1 else ~keep, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    out = torch.matmul(probs.to(v.dtype), vr)  # (b, h, t, d)
-    probs = probs.view(b, hk, g, t, s)
+        scores = scores.masked_fill(~keep.unsqueeze(2), torch.finfo(scores.dtype).min)  # broadcast over g
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (b, hk, g, t, s)
+    out = torch.matmul(probs.to(v.dtype).view(b, hk, g * t, s), v)  # (b, hk, g * t, d)
     return out.view(b, h, t, d), (probs if need_probs else None)
 
 
@@ -122,11 +120,18 @@ def chunk_allowed(allowed: torch.Tensor, r0: int, r1: int, offset: int) -> torch
     return rows[..., :end]
 
 
+def grouped_matmul(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (b, h_kv, g, t, c) dotted with k (b, h_kv, s, c) -> (b, h_kv, g, t, s). The g rows of a KV head are folded
+    into one product: torch.matmul would broadcast k over g by copying it g times (the whole cache, per call)."""
+    b, hk, g, t, c = q.shape
+    return torch.matmul(q.reshape(b, hk, g * t, c), k.transpose(-1, -2)).view(b, hk, g, t, k.shape[-2])
+
+
 def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention logits q·k·scale, (b, h_kv, g, t, s)."""
     b, h, t, d = q.shape
     hk = k.shape[1]
-    return torch.matmul(q.view(b, hk, h // hk, t, d), k.unsqueeze(2).transpose(-1, -2)) * scale
+    return grouped_matmul(q.view(b, hk, h // hk, t, d), k) * scale
 
 
 class KVStats:

@@ -8,6 +8,7 @@ from baselines.full import Full
 from infinigen import adapter, modes
 
 MODELS = TINY + [pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+DECODE_TOL = 2e-4  # fp32 logits of decode steps against HF's own (6x the difference measured on smollm2)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -22,8 +23,10 @@ def test_full_sim_and_decode_equal_hf_eager(name):
     torch.testing.assert_close(sim, ref, atol=1e-5, rtol=0)
     # predictions of 80..95: each decode step is a forward of the whole model on both sides (greedy generation
     # against HF's own generate: test_greedy_decode_equals_hf_generate)
+    # decode attends each KV head's query heads as rows of one product (eager repeats the KV heads): the same
+    # sums, rounded in another order, which 30 fp32 layers carry to 3.2e-5 on smollm2's logits (tiny: < 1e-5)
     dec = modes.decode_logits(model, Full(), ids, dense_rows=80, attention="exact")
-    torch.testing.assert_close(dec, hf_decode_logits(model, ids, 80), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dec, hf_decode_logits(model, ids, 80), atol=DECODE_TOL, rtol=0)
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.contract import GatheringMethod, attend, attend_fused, logits, row_chunks
+from infinigen.contract import GatheringMethod, attend, attend_fused, grouped_matmul, logits, row_chunks
 from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
 
 
@@ -110,7 +110,7 @@ class SelectiveAttention(GatheringMethod):
         diag = rows[:, None] == torch.arange(r1, device=dev)[None, :]  # (r, s)
         allowed = allowed[..., r0:r1, :r1]  # (b|1, 1, r, s)
         candidates = allowed & ~diag
-        scores = torch.matmul(qs[:, :, :, r0:r1], ks[:, :, None, :r1].transpose(-1, -2))  # (b, hk, g, r, s)
+        scores = grouped_matmul(qs[:, :, :, r0:r1], ks[:, :, :r1])  # (b, hk, g, r, s)
         if pool is None:
             keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
             held = candidates
@@ -191,7 +191,7 @@ class SelectiveAttention(GatheringMethod):
     def select(self, session, layer, q, store, past, position):
         keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, d)
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # as in sim mode: scaled, then dotted
-        scores = torch.matmul(qs, keys.unsqueeze(2).transpose(-1, -2))  # (b, hk, g, 1, past)
+        scores = grouped_matmul(qs, keys)  # (b, hk, g, 1, past)
         dev = keys.device
         cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=dev)
         keep, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,

@@ -16,13 +16,15 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
-model structure.
+model structure and the code's source.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -145,6 +147,22 @@ def _cached(ident: list, compute) -> list[dict]:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _source(files: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(Path(f).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def code_fingerprint(method) -> str:
+    """The runtime's and the method's source: a census measures what that code does, so editing it re-measures."""
+    package = Path(adapter.__file__).parent
+    files = {str(p) for p in package.rglob("*.py")}
+    files |= {inspect.getfile(c) for c in type(method).__mro__ if c.__module__ not in ("builtins", "abc", "typing")}
+    return _source(tuple(sorted(files)))
+
+
 def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops") -> list[dict]:
     """Per decode step, for each of the real model's layers {segment: value}, plus the step's own last.
     measure: "ops" (dispatched ops, at the run's batch up to 2), "seconds" (what the runtime's code takes per
@@ -152,7 +170,7 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
     context token), at the real head_dim: see the module doc)."""
     steady, n = _steady(kinds)
     ident = [type(method).__name__, _params(method), runtime, stand_in_arch(dict(model_cfg.arch), n), measure,
-             torch.__version__] + ([TIMED_REPEATS] if "seconds" in measure else [])
+             torch.__version__, code_fingerprint(method)] + ([TIMED_REPEATS] if "seconds" in measure else [])
     d = int(dict(model_cfg.arch).get("head_dim") or model_cfg.arch.hidden_size // model_cfg.arch.num_attention_heads)
     if measure == "ops":
         return _spread(_cached(ident + [min(batch, 2)], lambda: _count(model_cfg, method, runtime, min(batch, 2), n,
