@@ -100,6 +100,10 @@ def task_module(name: str):
     return importlib.import_module(modules[name])
 
 
+def needs_model(cfg) -> bool:
+    return getattr(task_module(cfg.task.name), "needs_model", lambda task: True)(cfg.task)
+
+
 def data_identity(cfg) -> dict:
     """The data a run reads (a (model, method, task) config with data_dir): the task's corpus or lm-eval task files
     and the method's calibration text. Goes into every row; `without_paths` of it goes into the config hash."""
@@ -113,7 +117,7 @@ def data_identity(cfg) -> dict:
         out = tasks_identity(names, data_dir, task.get("include_path"))
         if ruler_names(names):
             out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir)
-    if cfg.method.get("calibration"):
+    if cfg.method.get("calibration") and needs_model(cfg):  # a modelled run binds nothing: reads no calibration
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
     return out
 
@@ -267,6 +271,8 @@ def validate(cfg: DictConfig):
     # first heavy import: the method classes bring torch and transformers' cache classes
     with user_input("method", cfg):
         method = instantiate(cfg.method)  # dataclass __post_init__ checks hyperparameters (types first, then ranges)
+        if needs_model(cfg):
+            method.check_data()
         shape = kv_shape(cfg.model)
         if shape is not None:
             method.check_shape(*shape)  # hyperparameters bounded by the model's attention shape (ShadowKV's rank)
@@ -432,7 +438,7 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    if getattr(module, "needs_model", lambda task: True)(cfg.task):
+    if needs_model(cfg):
         device = adapter.resolve_device(cfg.get("device"))
         model, tokenizer = adapter.load(cfg.model, device=device)
         load_s = time.perf_counter() - t0

@@ -230,8 +230,17 @@ class KVMethod:
         """Refuse hyperparameters a model of this attention shape cannot take (ValueError naming the option); run
         before the model loads where its config declares the shape (experiments/runner.py validate)."""
 
+    def check_data(self) -> None:
+        """Refuse missing or unreadable files `bind` will read (a calibration text): run before a model loads, by
+        runs that load one (a modelled latency run binds nothing, so it needs no data)."""
+
     def bind(self, session: Session) -> None:
         """Called when installed into a model (e.g. to calibrate on its weights)."""
+
+    def stand_in(self) -> "KVMethod":
+        """A fresh copy to run on a random-weight stand-in of the model (infinigen/offload/census.py counts the
+        code path it runs, not its choices): it binds without reading data files."""
+        return dataclasses.replace(self)
 
     def reset_stats(self) -> None:
         self.stats = KVStats()

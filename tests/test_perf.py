@@ -1,6 +1,8 @@
 """The decode performance model (infinigen/offload/perf.py): its bytes are the runtime's, its structure replays the
 runtime's overlap, it needs no weights, and bad profiles are refused by name."""
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -123,6 +125,23 @@ def test_modelled_run_needs_no_weights_and_refuses_bad_input_before_anything(tmp
     assert "Traceback" not in bad.stderr
     missing = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert missing.returncode == 2 and "hardware is not set" in missing.stderr
+
+
+def test_the_papers_point_is_modelled_without_a_data_folder(tmp_path):
+    """InfiniGen at the paper's Fig. 14 point with no data folder: its fetched fractions come from the committed
+    store and nothing is calibrated on text; a measured run, which calibrates, is refused before the model loads."""
+    env = {k: v for k, v in os.environ.items() if k != "DATA_DIR"}
+    base = [sys.executable, "run.py", "method=infinigen", "task=latency", f"results_dir={tmp_path}"]
+    modelled = ["model=opt-13b", "task.timing=modelled", "hardware=a6000_pcie3", "task.batch_size=20",
+                "task.prompt_len=1920", "task.gen_len=128"]
+    done = subprocess.run(base + modelled, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'modelled_decode_ms_per_token'" in done.stdout
+    (row_file,) = (tmp_path / "rows").glob("*.jsonl")
+    assert "calibration" not in json.loads(row_file.read_text())["data"]  # it read none
+    refused = subprocess.run(base + ["model=tiny-llama"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=240)
+    assert refused.returncode == 2 and "error: method: dataset 'pg19' has no hub source" in refused.stderr
 
 
 def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_bytes(monkeypatch):

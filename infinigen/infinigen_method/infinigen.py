@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -38,6 +38,7 @@ SPECULATION_POINT = {"previous": "attention_start", "block_input": "attention_st
 # Residual-stream tensors the adapter must capture for each option (the attention inputs are always captured).
 CAPTURES = {"block_input": ("block_inputs",), "after_attention": ("attn_residuals",)}
 PARTIAL_SELECT = ("q", "qk")
+RANDOM_CALIBRATION = "random ids (a random-weight stand-in: infinigen/offload/census.py)"
 
 
 @dataclass
@@ -75,8 +76,11 @@ class InfiniGen(SelectiveAttention):
             raise ValueError("skip_layers must be >= 1: layer 0 has no previous layer to speculate from")
         if self.calib_tokens < 16:
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
-        check_dataset(self.calibration, self.calib_data_dir)
         self.skewing: Skew | None = None
+        self._random_calibration = False  # stand_in(): calibrate on random ids
+
+    def check_data(self) -> None:
+        check_dataset(self.calibration, self.calib_data_dir)
 
     @property
     def captures(self) -> tuple[str, ...]:
@@ -97,7 +101,8 @@ class InfiniGen(SelectiveAttention):
         keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")
         settings = {k: asdict(self)[k] for k in keys}
         # the calibration text's content (not its folder) keys the skew cache: other text, other rotations
-        settings["calibration_data"] = without_paths(identity(self.calibration, self.calib_data_dir))
+        settings["calibration_data"] = (RANDOM_CALIBRATION if self._random_calibration
+                                        else without_paths(identity(self.calibration, self.calib_data_dir)))
         settings = json.dumps(settings, sort_keys=True)
         self.skewing = calibrate(
             model, lambda: self._calibration_ids(model), skew=self.skew, partial_ratio=self.partial_ratio,
@@ -105,9 +110,18 @@ class InfiniGen(SelectiveAttention):
         )
 
     def _calibration_ids(self, model) -> torch.Tensor:
-        ids = encode(tokenizer_of(model), corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
         limit = min(self.calib_tokens, getattr(model.config, "max_position_embeddings", self.calib_tokens))
+        if self._random_calibration:
+            gen = torch.Generator().manual_seed(0)
+            return torch.randint(0, model.config.vocab_size, (1, limit), generator=gen).to(model.device)
+        ids = encode(tokenizer_of(model), corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
         return ids[:limit][None].to(model.device)
+
+    def stand_in(self) -> "InfiniGen":
+        copy = replace(self)
+        # a stand-in's random weights make any text as good as random ids: the census needs no data folder
+        copy._random_calibration = True
+        return copy
 
     # ------------------------------------------------------------------ speculation
     def speculation_input(self, session: Session, layer: AttentionLayer) -> torch.Tensor:

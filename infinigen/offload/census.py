@@ -224,7 +224,7 @@ def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: st
     cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
                             "seed": 0, "arch": arch})
     model, _ = adapter.load(cfg, device="cpu")
-    method = dataclasses.replace(method)  # a fresh instance: binding calibrates it on the stand-in
+    method = method.stand_in()  # a fresh instance: binding calibrates it on the stand-in
     ids = torch.randint(0, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
     if measure == "seconds":
         rt = OffloadRuntime(model, method, runtime=runtime, clock=time.perf_counter)

@@ -134,10 +134,12 @@ class HeldExecutor(PoolExecutor):
         b, hk = q.shape[0], self.layer.num_kv_heads
         fetched, = self.take(store)
         rows = self.landed(fetched, store)
-        if store.evicting:  # (b, h_kv, slots, W) in slot order -> the held entries in position order
-            rows = head_major(rows, b, hk)
-            slots = store.entries["slot"]
-            rows = rows.gather(2, slots[..., None].expand(*slots.shape, rows.shape[-1]))
+        if store.evicting:  # (slots, b*h_kv, W) in slot order -> the held entries in position order, (b, h_kv, n, W)
+            bh, width = b * hk, rows.shape[-1]
+            # row (slot, head) of the slot-major pool, copied W elements at a time (a gather over the permuted
+            # pool copies element by element: 20 ms of a 100 ms step at 1 x 2048)
+            flat = store.entries["slot"].reshape(bh, -1) * bh + torch.arange(bh, device=rows.device)[:, None]
+            rows = rows.reshape(-1, width).index_select(0, flat.view(-1)).view(b, hk, -1, width)
         else:  # a pool that never evicts holds entry n in slot n
             rows = head_major(rows[: store.stored], b, hk)
         store.keys, store.values = store.codec.decode(rows)  # (b, h_kv, s, d)
