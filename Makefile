@@ -47,7 +47,7 @@ smoke: install  ## the *_smoke and *_modelled presets (SMOKE=... for a subset) i
 calibrate: install  ## measure this machine as a hardware profile (conf/hardware/local.yaml) for the performance model
 	$(PY) -m experiments.calibrate
 
-validate-perf: calibrate  ## the performance model's predicted vs measured decode ms/token here (quiet machine; ~20 min)
+validate-perf: calibrate  ## the performance model's predicted vs measured decode ms/token here (quiet machine; ~1 h on 2 cores)
 	$(PY) -m experiments.validate_perf --data-dir $(DATA_DIR) $(VALIDATE_ARGS)
 
 figures: install  ## regenerate figures/ from the results store

@@ -85,3 +85,26 @@ REAL_DEFAULT_LENGTHS = (64, 16)
 def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
     prompt, decoded = REAL_LENGTHS.get(method_name, REAL_DEFAULT_LENGTHS)
     check_contract(method_name, overrides, model_name, prompt, decoded, dtype=REAL_MODEL_DTYPE, tol=REAL_TOL)
+
+
+def test_decode_kernel_equals_eager_with_repeated_kv_heads():
+    """`attend` folds each KV head's query heads into rows instead of repeating the KV (transformers' eager): the
+    same numbers (float64), with a per-KV-head mask, a batch-broadcast one and none; `grouped_matmul` likewise."""
+    from infinigen.contract import attend, grouped_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    b, hk, g, t, s, d = 2, 3, 3, 4, 37, 16
+    q = torch.randn(b, hk * g, t, d, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(b, hk, s, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    kr, vr = (x.repeat_interleave(g, dim=1) for x in (k, v))  # (b, h, s, d): eager's repeat_kv
+    for keep in (None, torch.rand(b, hk, t, s, generator=gen) > 0.4, torch.rand(1, 1, t, s, generator=gen) > 0.4):
+        scores = q @ kr.transpose(2, 3) * 0.25
+        if keep is not None:
+            mask = keep.repeat_interleave(g, dim=1) if keep.shape[1] > 1 else keep
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # eager's softmax is float32 in any dtype
+        out, got = attend(q, k, v, keep, 0.25, need_probs=True)
+        torch.testing.assert_close(out, probs.double() @ vr, atol=1e-12, rtol=0)
+        torch.testing.assert_close(got, probs.view(b, hk, g, t, s), atol=1e-12, rtol=0)
+    q5 = q.view(b, hk, g, t, d)
+    torch.testing.assert_close(grouped_matmul(q5, k), q5 @ k.unsqueeze(2).transpose(-1, -2), atol=1e-12, rtol=0)
