@@ -848,8 +848,9 @@ SECTIONS: list[Section] = [
             "docs/long_context.md.",
             ("python run.py -m +experiment=ruler_smollm2_smoke",),
             T.ruler_table, ruler_verdict, figure_of("ruler_heatmap"),
-            note="The preset generates a few samples per (task, length) (its task.limit): a cell's score moves in "
-                 "steps of one sample (cwe and the multi-needle tasks give partial credit within a sample)."),
+            note="The CPU preset generates one sample per (task, length) (task.limit=1; two took 66 min on 2 cores): "
+                 "a single-needle cell is 0 or 1, cwe and the multi-needle tasks give partial credit within the "
+                 "sample, and a difference of one cell is one sample. `task.limit=N` on the same preset for more."),
     Section("sim_cost", "Beyond the paper: sim-mode cost",
             "What a perplexity run costs per method in sim mode (all rows of a window in one forward), relative to "
             "full attention: wall time less the model load, per window.",

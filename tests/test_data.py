@@ -158,9 +158,8 @@ def test_hub_specs_parse_and_identify_without_the_network():
 @needs_data
 def test_calibration_reads_the_same_corpus_forms(tmp_path):
     """InfiniGen's calibration text: file:PATH of PG-19's book = the named pg19; the skew cache is keyed by the text's
-    content (same spec, edited file: recalibrated); a bad file fails when the method is built (before any load)."""
-    from hydra.errors import InstantiationException
-
+    content (same spec, edited file: recalibrated); a bad file fails the method's check_data, which the runner calls
+    before a model loads."""
     from infinigen import modes
 
     model, _ = load_model("tiny-llama")
@@ -176,8 +175,8 @@ def test_calibration_reads_the_same_corpus_forms(tmp_path):
     modes.sim_logits(model, method_from_conf("infinigen", **mine), ids)
     assert len(list((tmp_path / "skew").glob("skew-*.pt"))) == 2
     write(text, b"\xff\xfe binary")
-    with pytest.raises(InstantiationException, match=r"not UTF-8 text: byte 0xff at byte offset 0"):
-        method_from_conf("infinigen", calibration=f"file:{text}")
+    with pytest.raises(ValueError, match=r"not UTF-8 text: byte 0xff at byte offset 0"):
+        method_from_conf("infinigen", calibration=f"file:{text}").check_data()
 
 
 # ----------------------------------------------------------------------------------------------- identity
