@@ -47,7 +47,7 @@ def attend(
     # reproduces the model's own logits, with one difference: eager repeats every KV head for its g query heads,
     # a copy of the whole cache per layer and step (at batch 8 x 2048 tokens that copy was most of a decode
     # step). Here each KV head's g query heads are folded into its rows and the KV is read in place.
-    scores = torch.matmul(q.reshape(b, hk, g * t, d), k.transpose(2, 3)).view(b, hk, g, t, s) * scale
+    scores = grouped_matmul(q.reshape(b, hk, g, t, d), k) * scale  # (b, hk, g, t, s)
     if keep is not None:
         scores = scores.masked_fill(~keep.unsqueeze(2), torch.finfo(scores.dtype).min)  # broadcast over g
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (b, hk, g, t, s)

@@ -156,10 +156,11 @@ def _source(files: tuple[str, ...]) -> str:
 
 
 def code_fingerprint(method) -> str:
-    """The runtime's and the method's source: a census measures what that code does, so editing it re-measures."""
-    package = Path(adapter.__file__).parent
-    files = {str(p) for p in package.rglob("*.py")}
-    files |= {inspect.getfile(c) for c in type(method).__mro__ if c.__module__ not in ("builtins", "abc", "typing")}
+    """The runtime's and the method's source (its package: helpers live beside it): a census measures what that
+    code does, so editing it re-measures."""
+    folders = {Path(adapter.__file__).parent} | {Path(inspect.getfile(c)).parent for c in type(method).__mro__
+                                                  if c.__module__ not in ("builtins", "abc", "typing")}
+    files = {str(p) for folder in folders for p in folder.rglob("*.py")}
     return _source(tuple(sorted(files)))
 
 
