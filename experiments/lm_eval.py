@@ -45,7 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.lm_eval_tasks import LOCAL_TASKS, check_include_path, resolve_task_names, task_manager
 from experiments.lm_eval_tasks import ruler
@@ -143,7 +143,8 @@ def validate(task, data_dir) -> None:
     own = scan["tasks"] if scan else {}
     rulers = [name for name in ruler.ruler_names(names) if name not in own]
     if rulers:
-        ruler.check_options(rulers, _plain(task.get("max_seq_lengths")), task.get("haystack"), data_dir)
+        ruler.check_options(rulers, _plain(task.get("max_seq_lengths")), task.get("haystack"), data_dir,
+                            _plain(task.get("qa_data")), task.get("limit"))
     names = [name for name in names if name not in rulers]
     resolved = resolve_task_names(names, str(Path(data_dir).expanduser().resolve()) if data_dir else None, own=own)
     if any(name not in LOCAL_TASKS.values() and name not in own for name in resolved):
@@ -160,7 +161,7 @@ def validate_config(cfg, method) -> None:
 
 
 def _plain(value):
-    return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+    return OmegaConf.to_container(value) if isinstance(value, (ListConfig, DictConfig)) else value
 
 
 def ruler_tasks(task) -> list[str]:
@@ -254,7 +255,7 @@ def evaluate_ruler(lm, name: str, task, data_dir) -> list[dict]:
     rows = []
     for length in _plain(task.max_seq_lengths):
         tm = ruler.task_manager(name, [length], task.limit or ruler.DEFAULT_SAMPLES, lm.tokenizer,
-                                task.haystack, data_dir)
+                                task.haystack, data_dir, _plain(task.get("qa_data")))
         lm.method.reset_stats()
         lm.reset_counts()
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
 from experiments.lm_eval_tasks import tasks_identity
-from experiments.lm_eval_tasks.ruler import haystack_identity, ruler_names
+from experiments.lm_eval_tasks.ruler import QA, haystack_identity, ruler_names
 from infinigen import corpora
 
 # config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
@@ -116,14 +116,19 @@ def data_identity(cfg) -> dict:
         names = list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks]
         out = tasks_identity(names, data_dir, task.get("include_path"))
         if ruler_names(names):
-            out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir)
+            qa_data = task.get("qa_data")
+            out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir,
+                                             OmegaConf.to_container(qa_data) if isinstance(qa_data, DictConfig)
+                                             else qa_data)
     if cfg.method.get("calibration") and needs_model(cfg):  # a modelled run binds nothing: reads no calibration
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
     return out
 
 
-# lm_eval options only RULER tasks read: a run without one computes the same whatever they say
+# lm_eval options only RULER tasks read (the QA files only its QA tasks): a run without one computes the same
+# whatever they say
 RULER_OPTIONS = ("max_seq_lengths", "haystack")
+QA_OPTIONS = ("qa_data",)
 
 
 def semantic_config(config: dict) -> dict:
@@ -133,8 +138,9 @@ def semantic_config(config: dict) -> dict:
     task = out.get("task")
     if isinstance(task, dict) and task.get("name") == "lm_eval":
         names = [task["tasks"]] if isinstance(task.get("tasks"), str) else list(task.get("tasks") or [])
-        if not ruler_names(names):
-            out["task"] = {k: v for k, v in task.items() if k not in RULER_OPTIONS}
+        unread = ((RULER_OPTIONS if not ruler_names(names) else ())
+                  + (QA_OPTIONS if not any(name in QA for name in names) else ()))
+        out["task"] = {k: v for k, v in task.items() if k not in unread}
     return out
 
 

@@ -29,13 +29,65 @@ def run_cfg(tmp_path, data_dir, *overrides):
         return compose("config", overrides=[f"data_dir={data_dir}", f"results_dir={tmp_path}", *overrides])
 
 
+PLACES = ["Arlen", "Bexley", "Corvin", "Dunmore", "Elsby", "Farrow", "Galton", "Hollis"]
+COLOURS = ["amber", "teal", "crimson", "ivory", "olive", "slate", "coral", "umber"]
+
+
+def write_qa_files(folder) -> dict:
+    """A tiny SQuAD v2.0 file (an unanswerable question, a paragraph repeated in an article, an article with no
+    answerable question: its paragraph is still a document) and a tiny HotpotQA distractor file, in their
+    published layouts; made-up facts."""
+    import json
+
+    def para(i):
+        return (f"The lighthouse of {PLACES[i]} was painted {COLOURS[i]} in {1900 + 7 * i}. Its keeper kept "
+                f"{i + 2} goats on the cliff.")
+
+    def qas(i, impossible=False):
+        out = [{"id": f"q{i}", "question": f"What colour was the lighthouse of {PLACES[i]} painted?",
+                "answers": [{"text": COLOURS[i], "answer_start": 0}, {"text": COLOURS[i], "answer_start": 0}],
+                "is_impossible": False}]
+        if impossible:
+            out.append({"id": f"x{i}", "question": "Who painted the moon?", "answers": [],
+                        "plausible_answers": [{"text": "Arlen", "answer_start": 0}], "is_impossible": True})
+        return out
+
+    squad = {"version": "v2.0", "data": [
+        {"title": "North", "paragraphs": [{"context": para(i), "qas": qas(i, impossible=i == 1)} for i in range(4)]
+         + [{"context": para(0), "qas": []}]},
+        {"title": "South", "paragraphs": [{"context": para(i), "qas": qas(i)} for i in range(4, 8)]},
+        {"title": "West", "paragraphs": [{"context": "The moon over Ilford is pale.", "qas": qas(1, True)[1:]}]},
+        # more documents than lm-eval's first probe (10): at or below it, it shuffles the document list in place
+        {"title": "East", "paragraphs": [{"context": f"The harbour of {p} holds {n} boats.", "qas": []}
+                                         for n, p in enumerate(PLACES, 3)]},
+    ]}
+    hotpot = [{"_id": f"h{i}", "type": "bridge", "level": "easy", "answer": str(1900 + 7 * i),
+               "question": f"In which year was the lighthouse kept by the owner of {i + 2} goats painted?",
+               "supporting_facts": [[PLACES[i], 0]],
+               "context": [[PLACES[i], [f"The lighthouse of {PLACES[i]} was painted in {1900 + 7 * i}. ",
+                                        f"Its keeper kept {i + 2} goats."]],
+                           [PLACES[(i + 1) % 8], [f"{PLACES[(i + 1) % 8]} has no lighthouse."]]]}
+              for i in range(6)]
+    paths = {"squad": folder / "dev-v2.0.json", "hotpotqa": folder / "hotpot_dev_distractor_v1.json"}
+    paths["squad"].write_text(json.dumps(squad))
+    paths["hotpotqa"].write_text(json.dumps(hotpot))
+    return paths
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 
 
 @pytest.mark.parametrize(
     "overrides,option",
     [
-        (["task.tasks=[ruler_qa_squad]", "task.max_seq_lengths=[512]"], "task.tasks"),
+        (["task.tasks=[ruler_qa_squad]", "task.max_seq_lengths=[512]"], r"task.qa_data.squad: ruler_qa_squad needs"),
+        (["task.tasks=[ruler_qa_hotpot]", "task.max_seq_lengths=[512]", "task.qa_data.hotpotqa=nowhere.json"],
+         r"task.qa_data.hotpotqa: .*nowhere.json not found"),
+        (["task.tasks=[ruler_qa_squad]", "task.max_seq_lengths=[512]", "task.qa_data.squad={hotpotqa}"],
+         r"task.qa_data.squad: .* is not the SQuAD v2.0 dev JSON"),
+        (["task.tasks=[ruler_qa_hotpot]", "task.max_seq_lengths=[512]", "task.qa_data.hotpotqa={hotpotqa}",
+          "task.limit=7"],
+         r"task.qa_data.hotpotqa: .* has 6 answerable questions, fewer than the 7"),
         (["task.tasks=[niah_single_1]", "task.max_seq_lengths=[512,2048]"], r"max\(task.max_seq_lengths\) = 2048"),
         (["task.tasks=[niah_single_1]", "task.max_seq_lengths=[100]"], "task.max_seq_lengths must be"),
         (["task.tasks=[niah_single_2]", "task.max_seq_lengths=[512]", "task.haystack=file:{short}"],
@@ -56,8 +108,9 @@ def test_refused_before_model_load(overrides, option, tmp_path, data_dir, monkey
 
     short = tmp_path / "short.txt"
     short.write_text("Nine words are far too few for a haystack.")
+    files = write_qa_files(tmp_path)
     cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=full", "task=lm_eval",
-                  *[o.format(short=short) for o in overrides])
+                  *[o.format(short=short, **files) for o in overrides])
     with pytest.raises(runner.UserError, match=option):
         runner.run(cfg)
 
@@ -97,20 +150,22 @@ def test_generation_refuses_a_length_its_generator_cannot_fill(tiny):
         ruler.samples("ruler_fwe", floor - 1, 1, tok, "")
 
 
-def test_full_matches_lm_eval_hflm(tiny, data_dir):
+@pytest.mark.parametrize("task,length", [("ruler_fwe", 400), ("ruler_qa_squad", 1024)])
+def test_full_matches_lm_eval_hflm(task, length, tiny, data_dir, tmp_path):
     """The same generated samples through lm-eval's HFLM (model.generate) and through decode mode under full
     attention: the same answers, so the same per-length scores."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     model, tok = tiny
+    qa_data = {kind: str(path) for kind, path in write_qa_files(tmp_path).items()}
     outs = {}
     for name, lm in [("ours", le.KVMethodLM(model, tok, Full())),
                      ("hf", HFLM(pretrained=model, tokenizer=tok, backend="causal", batch_size=1))]:
-        tm = ruler.task_manager("ruler_fwe", [400], 2, tok, "wikitext2", data_dir)
-        res = lm_eval.simple_evaluate(model=lm, tasks=["ruler_fwe"], task_manager=tm, log_samples=True,
+        tm = ruler.task_manager(task, [length], 2, tok, "wikitext2", data_dir, qa_data)
+        res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, log_samples=True,
                                       bootstrap_iters=0)
-        outs[name] = (res["results"]["ruler_fwe"]["400,none"], [s["resps"] for s in res["samples"]["ruler_fwe"]])
+        outs[name] = (res["results"][task][f"{length},none"], [s["resps"] for s in res["samples"][task]])
     assert outs["ours"] == outs["hf"]
     assert len(outs["ours"][1]) == 2
 
@@ -154,3 +209,72 @@ def test_ruler_options_are_part_of_what_ruler_runs_compute_only():
     assert semantic_config(config(["copa"], [1024])) == semantic_config(config(["copa"], [2048]))
     assert "max_seq_lengths" not in semantic_config(config("copa", [1024]))["task"]
     assert semantic_config(config(["niah_single_1"], [1024])) != semantic_config(config(["niah_single_1"], [2048]))
+
+
+# ----------------------------------------------------------------------------------------------- QA, local files
+
+
+@pytest.mark.parametrize("kind", ["squad", "hotpotqa"])
+def test_qa_files_read_as_lm_eval_reads_the_downloaded_ones(kind, tmp_path, monkeypatch):
+    """The same questions, answers, gold and article documents (by index into the same sorted documents) as
+    lm-eval's read_squad / read_hotpotqa give for the same JSON from the web."""
+    import json
+
+    from lm_eval.tasks.ruler import qa_utils
+
+    path = write_qa_files(tmp_path)[kind]
+    monkeypatch.setattr(qa_utils, "download_json", lambda url: json.loads(path.read_text()))
+    theirs = (qa_utils.read_squad if kind == "squad" else qa_utils.read_hotpotqa)(url=str(path))
+    ours = ruler.read_qa(kind, path)
+    assert ours == theirs
+    assert len(ours[0]) == (8 if kind == "squad" else 6)  # squad: the unanswerable question left out
+
+
+@pytest.fixture()
+def qa_files(tmp_path):
+    return write_qa_files(tmp_path)
+
+
+def test_qa_samples_hold_their_gold_document_and_answer(tiny, qa_files):
+    _, tok = tiny
+    data = ruler.dataset(ruler_task="ruler_qa_squad", max_seq_lengths=[1024], num_samples=3, tokenizer=tok,
+                         haystack="wikitext2", qa_file=str(qa_files["squad"]))["test"]
+    assert len(data) == 3 and all(row["match"] == "part" and row["length"] <= 1024 for row in data)
+    for i, row in enumerate(data):
+        assert f"lighthouse of {PLACES[i]} painted?" in row["input"] and row["outputs"] == [COLOURS[i]] * 2
+        assert f"{PLACES[i]} was painted {COLOURS[i]}" in row["input"]  # its gold paragraph among the documents
+    assert ruler.process_results(data[0], [f" It was {COLOURS[0]}."]) == {"1024": 1.0}
+    assert ruler.process_results(data[0], [" It was green."]) == {"1024": 0.0}
+
+
+def test_qa_offline_through_a_method_writes_rows(tmp_path, data_dir, qa_files):
+    from analysis import store
+    from experiments import runner
+
+    cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=h2o", "task=lm_eval",
+                  "task.tasks=[ruler_qa_squad,ruler_qa_hotpot]", "task.limit=2", "task.max_seq_lengths=[1024]",
+                  f"task.qa_data.squad={qa_files['squad']}", f"task.qa_data.hotpotqa={qa_files['hotpotqa']}")
+    runner.run(cfg)
+    rows = store.load(tmp_path)
+    assert sorted(rows["metrics.task"]) == ["ruler_qa_hotpot", "ruler_qa_squad"] and (rows["metrics.n"] == 2).all()
+    assert rows["metrics.score"].between(0, 1).all() and rows["metrics.kv_fraction"].between(0, 0.9).all()
+    recorded = rows["data.ruler"].tolist()[0]["qa"]
+    assert set(recorded) == {"squad", "hotpotqa"}
+    assert recorded["squad"]["sha256"] == runner.corpora.file_sha256(qa_files["squad"])
+
+
+def test_qa_files_are_part_of_what_qa_runs_compute_only():
+    """The QA files enter the config hash of a run with a QA task only: the RULER rows without QA (and every
+    other lm_eval row) keep their hashes whatever task.qa_data says."""
+    from experiments.runner import semantic_config
+
+    def config(tasks, squad):
+        return {"model": {"name": "m"}, "method": {"_target_": "baselines.full.Full"}, "data_dir": "/d",
+                "task": {"name": "lm_eval", "tasks": tasks, "max_seq_lengths": [1024], "haystack": "wikitext2",
+                         "qa_data": {"squad": squad, "hotpotqa": None}}}
+
+    for tasks in (["copa"], ["niah_single_1"]):
+        assert semantic_config(config(tasks, None)) == semantic_config(config(tasks, "dev.json"))
+        assert "qa_data" not in semantic_config(config(tasks, None))["task"]
+    assert semantic_config(config(["ruler_qa_squad"], "a.json")) != semantic_config(
+        config(["ruler_qa_squad"], "b.json"))

@@ -15,6 +15,9 @@ Here the same generators (`prepare_niah.generate_samples`, `vt_utils.sys_vartrac
   test), split into words as lm-eval splits the essays;
 * nltk's sentence splitter: a Punkt model with no trained parameters (`nltk_data/` next to this file, put first
   on `nltk.data.path`: nltk's trained English model is a download), so essay sentences split at ". " etc.;
+* the QA tasks' documents and questions from local files (`task.qa_data`: SQuAD v2.0 dev and HotpotQA dev
+  distractor JSON, as their authors publish them), read by :func:`read_qa` as lm-eval's `read_squad` /
+  `read_hotpotqa` read the downloaded ones;
 * `num_samples` per length (`task.limit`), so only the samples a run scores are generated;
 * a fixed seed per (task, length): the samples of a length do not depend on the other lengths, and the first k
   samples are the same for any limit >= k.
@@ -28,6 +31,8 @@ Only the standard library and infinigen.corpora (itself standard library only) a
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from pathlib import Path
 
@@ -53,7 +58,9 @@ NIAH = {
     "niah_multiquery": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
                         "num_needle_q": 4},
 }
-QA = {"ruler_qa_squad": "squad", "ruler_qa_hotpot": "hotpotqa"}
+QA = {"ruler_qa_squad": "squad", "ruler_qa_hotpot": "hotpotqa"}  # lm-eval task name -> its task.qa_data key
+QA_FORMATS = {"squad": "SQuAD v2.0 dev JSON (dev-v2.0.json)",
+              "hotpotqa": "HotpotQA dev distractor JSON (hotpot_dev_distractor_v1.json)"}
 #: every RULER task lm-eval 0.4.13 ships -> max_gen_toks (its YAMLs' generation_kwargs)
 RULER_TASKS = {**dict.fromkeys(NIAH, 128), "ruler_vt": 30, "ruler_cwe": 120, "ruler_fwe": 50,
                **dict.fromkeys(QA, 32)}
@@ -69,16 +76,40 @@ def essay_words(text: str) -> list[str]:
     return re.sub(r"\s+", " ", text).strip().split(" ")
 
 
-def check_options(names: list[str], lengths, haystack: str, data_dir: str | None) -> None:
+def qa_path(qa_data, kind: str, data_dir: str | None) -> Path | None:
+    """task.qa_data[kind] as a path: absolute, or relative to data_dir; None when not given."""
+    given = (qa_data or {}).get(kind)
+    if given is None:
+        return None
+    path = Path(str(given)).expanduser()
+    return path if path.is_absolute() or not data_dir else Path(data_dir).expanduser() / path
+
+
+def check_options(names: list[str], lengths, haystack: str, data_dir: str | None, qa_data=None,
+                  limit: int | None = None) -> None:
     """What RULER tasks need, checked without lm-eval or a tokenizer; ValueError naming the option.
 
     The essay haystack must hold at least max(task.max_seq_lengths) words: every word is at least one token, so
     that is enough for any tokenizer (lm-eval's generator silently stops at the end of a shorter text and gives
-    samples shorter than the length they are reported under)."""
-    qa = [name for name in names if name in QA]
-    if qa:
-        raise ValueError(f"{qa}: RULER's QA tasks read SQuAD / HotpotQA from the web and have no local data here; "
-                         f"remove them from task.tasks (the other RULER tasks run offline: {sorted(set(RULER_TASKS) - set(QA))})")
+    samples shorter than the length they are reported under). A QA task needs its file in task.qa_data, readable
+    as its format, with at least the questions a run samples (lm-eval's generator takes the first ones)."""
+    if qa_data is not None and not isinstance(qa_data, dict):
+        raise ValueError(f"task.qa_data must map {sorted(QA_FORMATS)} to files, got {qa_data!r}")
+    for name in (name for name in names if name in QA):
+        kind = QA[name]
+        path = qa_path(qa_data, kind, data_dir)
+        if path is None:
+            raise ValueError(f"task.qa_data.{kind}: {name} needs the {QA_FORMATS[kind]} (RULER downloads it; "
+                             f"offline it is read from a local file): set task.qa_data.{kind}=PATH (absolute, or "
+                             "relative to data_dir), or remove the task from task.tasks")
+        try:
+            qas, _ = read_qa(kind, path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"task.qa_data.{kind}: {err}") from err
+        wanted = limit if limit is not None else DEFAULT_SAMPLES
+        if len(qas) < wanted:
+            raise ValueError(f"task.qa_data.{kind}: {path} has {len(qas)} answerable questions, fewer than the "
+                             f"{wanted} samples per length {name} generates (task.limit={limit}); lower task.limit")
     if (not isinstance(lengths, (list, tuple)) or not lengths
             or any(not isinstance(n, int) or isinstance(n, bool) or n < MIN_LENGTH for n in lengths)):
         raise ValueError(f"task.max_seq_lengths must be a non-empty list of integers >= {MIN_LENGTH} (tokens per "
@@ -97,15 +128,84 @@ def check_options(names: list[str], lengths, haystack: str, data_dir: str | None
                              "length); give a longer text or shorter lengths")
 
 
-def haystack_identity(names: list[str], haystack: str, data_dir: str | None) -> dict:
-    """What RULER's samples are made from, for each row's `data`: the seed, and the text that replaces RULER's
-    essay haystack for the essay tasks among `names` (none: every other task uses RULER's built-in haystacks)."""
+def read_qa(kind: str, path: Path) -> tuple[list[dict], list[str]]:
+    """(questions, documents) of a local QA file, as lm-eval's RULER reads the downloaded one: the documents are
+    every distinct paragraph (SQuAD) or "title\\nsentences" (HotpotQA), sorted; each question keeps its answers
+    ("outputs"), the indices of its gold documents ("context") and, for SQuAD, of the other paragraphs of its
+    article ("more_context"), which RULER adds before random distractors. Unanswerable SQuAD questions are left
+    out. ValueError when the file is not that format."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found" + (" (it is a directory)" if path.is_dir() else ""))
+    stat = path.stat()
+    return _read_qa(kind, path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_qa(kind: str, path: Path, size: int, mtime_ns: int) -> tuple[list[dict], list[str]]:
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err}); expected the {QA_FORMATS[kind]}") from None
+    try:
+        questions, texts = _squad(data) if kind == "squad" else _hotpotqa(data)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path} is not the {QA_FORMATS[kind]}: missing or misshapen {err}") from None
+    if not questions:
+        raise ValueError(f"{path} holds no answerable question")
+    docs = sorted(set(texts))
+    index = {doc: i for i, doc in enumerate(docs)}
+    for q in questions:
+        q["context"] = [index[doc] for doc in q["context"]]
+        if "more_context" in q:
+            q["more_context"] = [index[doc] for doc in q["more_context"]]
+    return questions, docs
+
+
+def _squad(data: dict) -> tuple[list[dict], list[str]]:
+    """{"data": [article: {"paragraphs": [{"context", "qas": [{"question", "answers": [{"text"}],
+    "is_impossible"}]}]}]}: per answerable question, its paragraph and its article's other paragraphs (by text);
+    every paragraph is a document, answerable or not."""
+    questions, texts = [], []
+    for article in data["data"]:
+        paragraphs = [p["context"] for p in article["paragraphs"]]
+        texts += paragraphs
+        for p in article["paragraphs"]:
+            others = [c for c in paragraphs if c != p["context"]]
+            questions += [{"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
+                           "context": [p["context"]], "more_context": others}
+                          for qa in p["qas"] if not qa["is_impossible"]]
+    return questions, texts
+
+
+def _hotpotqa(data: list) -> tuple[list[dict], list[str]]:
+    """[{"question", "answer", "context": [[title, [sentence, ...]], ...]}]: every listed paragraph is gold."""
+    if not isinstance(data, list):
+        raise TypeError("top level: a list of questions")
+    questions, texts = [], []
+    for item in data:
+        paragraphs = [f"{title}\n{''.join(sentences)}" for title, sentences in item["context"]]
+        texts += paragraphs
+        questions.append({"query": item["question"], "outputs": [item["answer"]], "context": paragraphs})
+    return questions, texts
+
+
+def haystack_identity(names: list[str], haystack: str, data_dir: str | None, qa_data=None) -> dict:
+    """What RULER's samples are made from, for each row's `data`: the seed, the text that replaces RULER's essay
+    haystack for the essay tasks among `names` (none: every other task uses RULER's built-in haystacks), and the
+    QA files of the QA tasks among them."""
+    from infinigen.corpora import file_sha256
+
     essay = [name for name in names if name in ESSAY_TASKS]
     out = {"seed": SEED, "essay_tasks": essay}
     if essay:
         out |= {"essay_haystack": identity(haystack, data_dir),
                 "replaces": "Paul Graham essays (RULER's essay haystack, a download)",
                 "sentence_splitter": "nltk Punkt, untrained parameters (experiments/lm_eval_tasks/nltk_data)"}
+    kinds = sorted({QA[name] for name in names if name in QA})
+    if kinds:
+        out["qa"] = {kind: {"format": QA_FORMATS[kind], "path": str(qa_path(qa_data, kind, data_dir).resolve()),
+                            "sha256": file_sha256(qa_path(qa_data, kind, data_dir))} for kind in kinds}
     return out
 
 
@@ -187,8 +287,11 @@ def byte_count(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def samples(name: str, length: int, num_samples: int, tokenizer, haystack_text: str) -> list[dict]:
-    """`num_samples` RULER samples of task `name` at `length` tokens, from lm-eval's generator for that task."""
+def samples(name: str, length: int, num_samples: int, tokenizer, haystack_text: str,
+            qa: tuple[list[dict], list[str]] | None = None) -> list[dict]:
+    """`num_samples` RULER samples of task `name` at `length` tokens, from lm-eval's generator for that task
+    (`qa`: a QA task's (questions, documents), `read_qa`). A QA sample whose gold documents cannot fit is
+    skipped by lm-eval's generator (the row's `n` says how many were scored)."""
     check_fits([name], [length], lambda text: len(tokenizer(text).input_ids), "this model's tokenizer")
     _seed(name, length)
     if name in NIAH:
@@ -215,29 +318,43 @@ def samples(name: str, length: int, num_samples: int, tokenizer, haystack_text: 
         from lm_eval.tasks.ruler.fwe_utils import sys_kwext
 
         return sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=num_samples)
-    raise ValueError(f"no local RULER generator for {name!r}; known: {sorted(set(RULER_TASKS) - set(QA))}")
+    if name in QA:
+        from lm_eval.tasks.ruler.qa_utils import generate_samples as qa_samples
+
+        qas, docs = qa
+        return qa_samples(tokenizer=tokenizer, docs=list(docs), qas=[dict(q) for q in qas], max_seq_length=length,
+                          num_samples=num_samples, tokens_to_generate=RULER_TASKS[name])
+    raise ValueError(f"no local RULER generator for {name!r}; known: {sorted(RULER_TASKS)}")
 
 
 def dataset(*, ruler_task: str, max_seq_lengths, num_samples: int, tokenizer, haystack: str, data_dir=None,
-            **_metadata):
-    """custom_dataset of ruler_local.yaml: the samples of every length, with the columns lm-eval's RULER uses."""
+            qa_file: str | None = None, **_metadata):
+    """custom_dataset of ruler_local.yaml: the samples of every length, with the columns lm-eval's RULER uses and
+    how each is scored (`match`: "part" for QA, lm-eval's string_match_part, "all" for the others)."""
     import datasets
 
     text = corpus_text(haystack, data_dir) if ruler_task in ESSAY_TASKS else ""
-    rows = [{key: row[key] for key in ("index", "input", "outputs", "length", "max_length", "gen_prefix")}
-            for length in max_seq_lengths for row in samples(ruler_task, int(length), num_samples, tokenizer, text)]
+    qa = read_qa(QA[ruler_task], Path(qa_file)) if ruler_task in QA else None
+    match = "part" if ruler_task in QA else "all"
+    rows = [{**{key: row[key] for key in ("index", "input", "outputs", "length", "max_length", "gen_prefix")},
+             "match": match}
+            for length in max_seq_lengths for row in samples(ruler_task, int(length), num_samples, tokenizer, text, qa)]
     return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """lm-eval's RULER score of one sample (every expected string found in the answer), under its length."""
-    from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all
+    """lm-eval's RULER score of one sample under its length: every expected string found in the answer
+    (`string_match_all`), or for QA the share of its reference answers found in it (`string_match_part`)."""
+    from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all, string_match_part
 
-    return {str(doc["max_length"]): string_match_all(postprocess_pred(results), [doc["outputs"]])}
+    score = string_match_part if doc.get("match") == "part" else string_match_all
+    return {str(doc["max_length"]): score(postprocess_pred(results), [doc["outputs"]])}
 
 
-def task_manager(name: str, lengths: list[int], num_samples: int, tokenizer, haystack: str, data_dir=None):
-    """A TaskManager that knows one task, `name` (lm-eval's RULER task name), generated locally at `lengths`.
+def task_manager(name: str, lengths: list[int], num_samples: int, tokenizer, haystack: str, data_dir=None,
+                 qa_data=None):
+    """A TaskManager that knows one task, `name` (lm-eval's RULER task name), generated locally at `lengths`
+    (a QA task from its file in `qa_data`, task.qa_data).
 
     Only our YAML is indexed (include_defaults=False: lm-eval's own `niah_single_1` would download). The
     tokenizer goes in the metadata as an object; lm-eval passes metadata to custom_dataset as keyword arguments."""
@@ -246,8 +363,9 @@ def task_manager(name: str, lengths: list[int], num_samples: int, tokenizer, hay
     import yaml
     from lm_eval.tasks import TaskManager
 
-    if name not in RULER_TASKS or name in QA:
+    if name not in RULER_TASKS:
         raise ValueError(f"no local RULER task {name!r}")
+    qa_file = str(qa_path(qa_data, QA[name], data_dir)) if name in QA else None
     tmp = tempfile.TemporaryDirectory(prefix="ruler_local_")
     wrapper = {
         "include": str(TEMPLATE_YAML),  # keeps `!function ruler.*` resolving to this folder
@@ -256,7 +374,8 @@ def task_manager(name: str, lengths: list[int], num_samples: int, tokenizer, hay
                               "until": []},
         "metric_list": [{"metric": str(n), "aggregation": "mean", "higher_is_better": True} for n in lengths],
         "metadata": {"version": 1.0, "ruler_task": name, "max_seq_lengths": [int(n) for n in lengths],
-                     "num_samples": int(num_samples), "haystack": haystack, "data_dir": data_dir},
+                     "num_samples": int(num_samples), "haystack": haystack, "data_dir": data_dir,
+                     "qa_file": qa_file},
     }
     (Path(tmp.name) / f"{name}.yaml").write_text(yaml.safe_dump(wrapper, sort_keys=False))
     tm = TaskManager(include_path=[tmp.name], include_defaults=False, metadata={"tokenizer": tokenizer})

@@ -40,7 +40,12 @@ from infinigen import adapter
 from infinigen.offload.runtime import OffloadRuntime
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
-CENSUS_PROMPT, CENSUS_STEPS = 64, 5
+# steps per stand-in run; the first and the last are dropped and the median of the rest taken, as the latency
+# task takes the median of its steps: an evicting method does not evict at every step (H2O's heavy and recent
+# counts grow every 1/fraction tokens), and with 3 steps which of them evict depended on the prompt length:
+# H2O's stand-in measured a cheaper step at 2048 tokens than at 1024 and the model put it at 0.60x its measured
+# batch-8 step; with 10 its typical step is timed
+CENSUS_PROMPT, CENSUS_STEPS = 64, 12
 # context lengths of the context_seconds slope: the range decode runs here span (an extrapolation past 1024 read
 # 10.7-21.2 us/token for full attention's 30 layers in three runs; 256-2048 read 13.2-19.8, the real model 19.6)
 CONTEXT_PROMPTS = (256, 2048)
