@@ -36,7 +36,7 @@ import json
 import re
 from pathlib import Path
 
-from infinigen.corpora import check_dataset, corpus_text, identity
+from infinigen.corpora import check_dataset, corpus_text, file_sha256, identity
 
 TEMPLATE_YAML = Path(__file__).resolve().parent / "ruler_local.yaml"
 NLTK_DATA = Path(__file__).resolve().parent / "nltk_data"
@@ -194,8 +194,6 @@ def haystack_identity(names: list[str], haystack: str, data_dir: str | None, qa_
     """What RULER's samples are made from, for each row's `data`: the seed, the text that replaces RULER's essay
     haystack for the essay tasks among `names` (none: every other task uses RULER's built-in haystacks), and the
     QA files of the QA tasks among them."""
-    from infinigen.corpora import file_sha256
-
     essay = [name for name in names if name in ESSAY_TASKS]
     out = {"seed": SEED, "essay_tasks": essay}
     if essay:
