@@ -116,10 +116,7 @@ def data_identity(cfg) -> dict:
         names = list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks]
         out = tasks_identity(names, data_dir, task.get("include_path"))
         if ruler_names(names):
-            qa_data = task.get("qa_data")
-            out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir,
-                                             OmegaConf.to_container(qa_data) if isinstance(qa_data, DictConfig)
-                                             else qa_data)
+            out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir, task.get("qa_data"))
     if cfg.method.get("calibration") and needs_model(cfg):  # a modelled run binds nothing: reads no calibration
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
     return out

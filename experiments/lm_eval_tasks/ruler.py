@@ -200,10 +200,10 @@ def haystack_identity(names: list[str], haystack: str, data_dir: str | None, qa_
         out |= {"essay_haystack": identity(haystack, data_dir),
                 "replaces": "Paul Graham essays (RULER's essay haystack, a download)",
                 "sentence_splitter": "nltk Punkt, untrained parameters (experiments/lm_eval_tasks/nltk_data)"}
-    kinds = sorted({QA[name] for name in names if name in QA})
-    if kinds:
-        out["qa"] = {kind: {"format": QA_FORMATS[kind], "path": str(qa_path(qa_data, kind, data_dir).resolve()),
-                            "sha256": file_sha256(qa_path(qa_data, kind, data_dir))} for kind in kinds}
+    paths = {QA[name]: qa_path(qa_data, QA[name], data_dir).resolve() for name in names if name in QA}
+    if paths:
+        out["qa"] = {kind: {"format": QA_FORMATS[kind], "path": str(path), "sha256": file_sha256(path)}
+                     for kind, path in sorted(paths.items())}
     return out
 
 
