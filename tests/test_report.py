@@ -294,3 +294,19 @@ def test_successors_verdict_reads_the_oracle_as_the_bound_and_prints_no_missing_
         assert "n/a" not in line
         best = line.split("most accurate: ", 1)[1]
         assert not best.startswith("oracle") or best.startswith("oracle (the exact top-k), of the others "), line
+
+
+def test_validation_table_carries_each_points_measured_rounds():
+    """The measured row's rounds give the table its range and the verdict the measured side's noise."""
+    from analysis import speed
+
+    point = {"task": "latency", "metrics.validation_point": "h2o", "metrics.batch_size": 8, "metrics.prompt_len": 2048}
+    df = pd.DataFrame([
+        {**point, "metrics.timing": None, "metrics.decode_ms_median": 300.0,
+         "metrics.decode_ms_rounds": [280.0, 300.0, 360.0]},
+        {**point, "metrics.timing": "modelled", "metrics.decode_ms_median": 240.0,
+         "metrics.measured_decode_ms": 300.0, "metrics.ratio": 0.8},
+    ])
+    row = speed.validation_rows(df).iloc[0]
+    assert (row["measured_min"], row["measured_ms"], row["measured_max"]) == (280.0, 300.0, 360.0)
+    assert speed.validation_verdict(df)[-1].endswith("= 27% at the median point, up to 27%")
