@@ -161,8 +161,8 @@ def speed_validation(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
                     xerr=[(part["measured_ms"] - part["measured_min"]).fillna(0),
                           (part["measured_max"] - part["measured_ms"]).fillna(0)],
                     label=f"batch {int(b)}, prompt {int(p)}")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured decode ms/token (median of rounds; bar: their range)",
-           ylabel="modelled decode ms/token")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
+           xlabel="measured decode ms/token (median of rounds; bar: their range)", ylabel="modelled decode ms/token")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis import report, store
+from analysis import report, speed, store
 from conftest import ROOT
 from experiments.lm_eval_tasks.ruler import ruler_names
 
@@ -298,8 +298,6 @@ def test_successors_verdict_reads_the_oracle_as_the_bound_and_prints_no_missing_
 
 def test_validation_table_carries_each_points_measured_rounds():
     """The measured row's rounds give the table its range and the verdict the measured side's noise."""
-    from analysis import speed
-
     point = {"task": "latency", "metrics.validation_point": "h2o", "metrics.batch_size": 8, "metrics.prompt_len": 2048}
     df = pd.DataFrame([
         {**point, "metrics.timing": None, "metrics.decode_ms_median": 300.0,
