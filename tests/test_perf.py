@@ -165,3 +165,19 @@ def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_b
     local = perf.hardware(profile(dispatch="stand_in"))
     assert perf.context_seconds(local, cfg, method_from_conf("full"), "auto", 1, kinds)[0]["attention"] == 7e-6
     assert asked[-1] == "context_seconds"
+
+
+def test_a_profile_of_this_machine_prices_attending_once():
+    """The stand-in's seconds per context token already hold the scores and the weighted sum over the attended
+    entries (and the selection's partial Q.K): a CPU profile's roofline prices the weights only, a GPU profile's
+    the FLOPs over what is attended."""
+    cfg = model_cfg("smollm2-135m")
+    shape, method = perf.Shape.of(cfg), method_from_conf("infinigen")
+    p = perf.plan(method, shape, "auto", 4096)
+    gather = p.kinds.index("gather")
+    context_s = dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)
+    for dispatch, grows in (("stand_in", False), ("ops", True)):
+        hw = perf.hardware(profile(dispatch=dispatch, matmul_tflops=1e-3))
+        work = {n: perf.layer_work(hw, shape, p, method, gather, 8, n, n, context_s) for n in (64, 4096)}
+        assert (work[4096].attention > 2 * work[64].attention) is grows
+        assert (work[4096].speculation > 2 * work[64].speculation) is grows

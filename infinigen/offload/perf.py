@@ -244,11 +244,14 @@ def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: i
         # method's per-entry state) on top
         return roofline(hw, flops, weights * e) + ctx * context_s[name]
 
+    # a profile of this machine (dispatch: stand_in) timed what each token of context costs, the scores and the
+    # weighted sum over it included: its roofline prices the weights only, or that work would count twice
+    per_entry = hw.dispatch != "stand_in"
     out = Segments()
     out.projections = roofline(hw, 2 * b * (q_w + kv_w), (q_w + kv_w) * e)
-    out.attention = seg("attention", 4 * b * h * attended * d + 2 * b * q_w, q_w)
+    out.attention = seg("attention", per_entry * 4 * b * h * attended * d + 2 * b * q_w, q_w)
     if plan_.kinds[i] == "gather":
-        out.speculation = seg("speculation", b * method.selection_flops(shape.layer(i), seen - 1), 0)
+        out.speculation = seg("speculation", per_entry * b * method.selection_flops(shape.layer(i), seen - 1), 0)
     out.ffn = seg("ffn", 2 * b * shape.ffn_weights, shape.ffn_weights)
     out.norms = seg("norms", 0, 0)
     return out
