@@ -863,6 +863,12 @@ def write(name: str, fig: Figure, numbers: pd.DataFrame, out: Path) -> list[Path
     return paths
 
 
+def panels_without_data(fig: Figure) -> list[str]:
+    """What each of the figure's "no data yet" panels lacks (make smoke prints them: nothing to see in a png)."""
+    return [t.get_text().split("\n")[0].removeprefix("no data yet: ") for ax in fig.axes for t in ax.texts
+            if t.get_text().startswith("no data yet: ")]
+
+
 def failed_figure(name: str, err: BaseException) -> Figure:
     """What a figure that raised is written as, so no earlier file of it passes for a current one."""
     fig = Figure(figsize=(8, 3.2), layout="constrained")
@@ -882,7 +888,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--only", nargs="*", choices=sorted(FIGURES), help="a subset of the figures")
     args = parser.parse_args(argv)
     df = store.load(args.results)
-    written, failed = [], []
+    written, failed, empty = [], [], []
     for name in args.only or FIGURES:
         try:
             fig, numbers = FIGURES[name](df)
@@ -895,6 +901,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
             continue
         written += paths
         print(f"{name}: {len(numbers)} plotted values -> {Path(args.out) / name}.{{png,pdf,csv}}")
+        empty += [f"{name}: {what}" for what in panels_without_data(fig)]
+    if empty:
+        print(f"{len(empty)} panels without data yet:\n  " + "\n  ".join(empty))
     if failed:
         print(f"figures failed: {', '.join(failed)} (the others were written)", file=sys.stderr)
         raise SystemExit(1)

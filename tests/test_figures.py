@@ -272,6 +272,15 @@ def test_empty_store_still_writes_every_figure(tmp_path):
         assert pd.read_csv(tmp_path / "figs" / f"{name}.csv").empty
 
 
+def test_every_panel_without_data_is_reported(synthetic, tmp_path, capsys):
+    figures.main(["--results", str(tmp_path / "nothing"), "--out", str(tmp_path / "empty")])
+    assert "panels without data yet" in capsys.readouterr().out
+    figures.main(["--results", str(synthetic), "--out", str(tmp_path / "full")])
+    assert "without data" not in capsys.readouterr().out
+    for name, build in figures.FIGURES.items():
+        assert figures.panels_without_data(build(pd.DataFrame())[0]), name
+
+
 def test_empty_figures_name_the_preset_to_run():
     for name, build in figures.FIGURES.items():
         fig, _ = build(pd.DataFrame())
