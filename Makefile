@@ -43,6 +43,7 @@ smoke: install  ## the *_smoke and *_modelled presets (SMOKE=... for a subset) i
 	for exp in $(SMOKE); do \
 	  $(PY) run.py -m +experiment=$$exp data_dir=$(DATA_DIR) results_dir=$(SMOKE_RESULTS) || exit 1; done
 	$(PY) -m analysis.figures --results $(SMOKE_RESULTS) --out docs/smoke
+	$(PY) -m analysis.speed --results $(SMOKE_RESULTS) --out docs/smoke
 
 calibrate: install  ## measure this machine as a hardware profile (conf/hardware/local.yaml) for the performance model
 	$(PY) -m experiments.calibrate
@@ -52,6 +53,7 @@ validate-perf: calibrate  ## the performance model's predicted vs measured decod
 
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures
+	$(PY) -m analysis.speed --results results --out figures
 
 tables: install  ## markdown tables of results/ (docs/results.md has them from docs/store: make report)
 	for t in ppl accuracy lm_eval latency eviction; do echo "### $$t"; $(PY) -m analysis.tables --results results --table $$t; echo; done

@@ -879,19 +879,20 @@ def failed_figure(name: str, err: BaseException) -> Figure:
     return fig
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
-    """Writes every figure; one that raises is reported by name (with its traceback) and written as a panel
+def main(argv: list[str] | None = None, registry: dict | None = None) -> list[Path]:
+    """Writes every figure of `registry` (default FIGURES); one that raises is reported by name (with its traceback) and written as a panel
     saying so, the others are still written, and the exit status is 1 at the end."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
     parser.add_argument("--out", default="figures", help="where the png/pdf/csv files go")
-    parser.add_argument("--only", nargs="*", choices=sorted(FIGURES), help="a subset of the figures")
+    registry = FIGURES if registry is None else registry
+    parser.add_argument("--only", nargs="*", choices=sorted(registry), help="a subset of the figures")
     args = parser.parse_args(argv)
     df = store.load(args.results)
     written, failed, empty = [], [], []
-    for name in args.only or FIGURES:
+    for name in args.only or registry:
         try:
-            fig, numbers = FIGURES[name](df)
+            fig, numbers = registry[name](df)
             paths = write(name, fig, numbers, Path(args.out))
         except Exception as err:  # noqa: BLE001 -- one figure's bug must not cost the others
             traceback.print_exc()

@@ -268,3 +268,10 @@ def fig14_table(df: pd.DataFrame) -> pd.DataFrame:
     out = out.rename(columns={"label": "method", "decode_ms_median": "ms/token"})
     return out[["method", "model", "hardware", "batch_size", "prompt_len", "ms/token",
                 *(t for t, _, _ in TERMS), "speedup", "fits"]].round(2)
+
+
+# what `make smoke` and `make figures` draw beside analysis/figures.py's (the report draws both from docs/store)
+FIGURES = {"fig14_16_modelled": fig14_16_modelled}
+
+if __name__ == "__main__":
+    F.main(registry=FIGURES)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis import report, speed, store
+from analysis import figures, report, speed, store
 from conftest import ROOT
 from experiments.lm_eval_tasks.ruler import ruler_names
 
@@ -181,7 +181,6 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
 
 def synthetic_store(path: Path, keep=lambda i: True) -> None:
     """One run per configuration the report's commands compose today, of those whose index `keep` accepts."""
-    from analysis import figures
 
     names = method_names()
     commands = {c for section in report.SECTIONS for c in section.commands}
@@ -308,3 +307,15 @@ def test_validation_table_carries_each_points_measured_rounds():
     row = speed.validation_rows(df).iloc[0]
     assert (row["measured_min"], row["measured_ms"], row["measured_max"]) == (280.0, 300.0, 360.0)
     assert speed.validation_verdict(df)[-1].endswith("= 27% at the median point, up to 27%")
+
+
+def test_make_smoke_draws_the_modelled_speed_figure_beside_the_measured_ones(tmp_path, capsys):
+    """`python -m analysis.speed --results R --out D` (make smoke, make figures): Figs. 14-16 modelled, every panel
+    filled from the committed store's modelled rows; an empty store gets the panel saying what to run."""
+
+    written = figures.main(["--results", str(ROOT / "docs" / "store"), "--out", str(tmp_path / "full")],
+                           registry=speed.FIGURES)
+    assert tmp_path / "full" / "fig14_16_modelled.png" in written
+    assert "without data" not in capsys.readouterr().out
+    figures.main(["--results", str(tmp_path / "nothing"), "--out", str(tmp_path / "empty")], registry=speed.FIGURES)
+    assert "fig14_16_modelled: latency rows with task.timing=modelled" in capsys.readouterr().out
