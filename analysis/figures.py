@@ -880,8 +880,8 @@ def failed_figure(name: str, err: BaseException) -> Figure:
 
 
 def main(argv: list[str] | None = None, registry: dict | None = None) -> list[Path]:
-    """Writes every figure of `registry` (default FIGURES); one that raises is reported by name (with its traceback) and written as a panel
-    saying so, the others are still written, and the exit status is 1 at the end."""
+    """Writes every figure of `registry` (default FIGURES); one that raises is reported by name (with its
+    traceback) and written as a panel saying so, the others are still written, and the exit status is 1 at the end."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="results store folder (run.py results_dir)")
     parser.add_argument("--out", default="figures", help="where the png/pdf/csv files go")

@@ -181,7 +181,6 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
 
 def synthetic_store(path: Path, keep=lambda i: True) -> None:
     """One run per configuration the report's commands compose today, of those whose index `keep` accepts."""
-
     names = method_names()
     commands = {c for section in report.SECTIONS for c in section.commands}
     for i, text in enumerate(sorted({t for c in commands for t in report.composed(c)})):
@@ -312,7 +311,6 @@ def test_validation_table_carries_each_points_measured_rounds():
 def test_make_smoke_draws_the_modelled_speed_figure_beside_the_measured_ones(tmp_path, capsys):
     """`python -m analysis.speed --results R --out D` (make smoke, make figures): Figs. 14-16 modelled, every panel
     filled from the committed store's modelled rows; an empty store gets the panel saying what to run."""
-
     written = figures.main(["--results", str(ROOT / "docs" / "store"), "--out", str(tmp_path / "full")],
                            registry=speed.FIGURES)
     assert tmp_path / "full" / "fig14_16_modelled.png" in written
