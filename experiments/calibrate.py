@@ -60,7 +60,7 @@ def best(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _weights(model: str, dtype=torch.float32) -> list[torch.Tensor]:
+def weights_of(model: str, dtype=torch.float32) -> list[torch.Tensor]:
     """Distinct (out, in) weights of the model's shapes, as a decode step reads them (random values)."""
     from omegaconf import OmegaConf
 
@@ -166,20 +166,27 @@ def memory_gib() -> float:
         return 16.0
 
 
+def rates(repeats: int, weights: list[torch.Tensor]) -> dict:
+    """The profile's rates a CPU profile (dispatch: stand_in) prices with: a few seconds to measure, so
+    validation measures them again beside every measured run (this VM's speed drifts over minutes)."""
+    return {"matmul_tflops": round(matmul_tflops(repeats, weights), 5),
+            "memory_gbps": round(memory_gbps(repeats, weights), 3), "host_gbps": round(host_gbps(repeats), 3)}
+
+
 def calibrate(repeats: int = 5, model: str = "smollm2-135m") -> dict:
-    weights = _weights(model)
+    measured = rates(repeats, weights_of(model))
     return {
         "name": "local",
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "weights_of": model,
-        "matmul_tflops": round(matmul_tflops(repeats, weights), 5),
-        "memory_gbps": round(memory_gbps(repeats, weights), 3),
+        "matmul_tflops": measured["matmul_tflops"],
+        "memory_gbps": measured["memory_gbps"],
         "h2d_gbps": None,
         "d2h_gbps": None,
         "launch_us": round(launch_us(repeats), 3),
         "copy_gbps": round(copy_gbps(repeats), 3),
         "gather_gbps": round(gather_gbps(repeats), 3),
-        "host_gbps": round(host_gbps(repeats), 3),
+        "host_gbps": measured["host_gbps"],
         "device_memory_gib": round(memory_gib(), 2),
         "dispatch": "stand_in",  # per segment: the runtime's code timed here at zero width (perf.DISPATCH)
     }

@@ -3,12 +3,16 @@
     python -m experiments.calibrate                          # once: conf/hardware/local.yaml
     python -m experiments.validate_perf --results docs/store # the table (and its rows in a store)
 
-For each batch size and prompt length the model (smollm2-135m) is loaded once; each method then runs through the
-offloading runtime (task=latency, timing=measured), `--rounds` times round-robin over the points: the median of the
-rounds' median decode step after `--warmup` steps, and the rounds' range. The same configuration is then modelled (infinigen/offload/perf.py) with the
-calibrated profile and, for gathering methods, the per-layer fractions the measured run fetched; the ratio
-predicted / measured is printed per point. Timings need a quiet machine: other processes on the cores change the
-measured side, not the model.
+The model (smollm2-135m) is loaded once. For each batch size and method, in turn: the method's census is timed
+(infinigen/offload/census.py, into a fresh cache), then the method runs through the offloading runtime
+(task=latency, timing=measured) at each prompt length, `--rounds` times, each run after the profile's drifting
+rates (matmul, weight streaming, host gathers: experiments/calibrate.py `rates`) are measured again. Measured: the
+median of the rounds' median decode step after `--warmup` steps, and the rounds' range. Modelled
+(infinigen/offload/perf.py): the calibrated profile with the median of those rates, the census just timed and, for
+gathering methods, the per-layer fractions the measured run fetched. Both sides of each ratio are thus measured
+within a few minutes of each other: this VM's speed drifts by 10-25% over tens of minutes, and a profile or
+census from another hour compares two machines. Timings need a quiet machine: other processes on the cores slow
+the measured side and the census alike, but not at the same moments.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,8 +84,9 @@ def main(argv=None) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from experiments import latency
+    from experiments import calibrate, latency
     from infinigen import adapter
+    from infinigen.offload import census
 
     if not Path(args.profile).is_file():
         sys.exit(f"error: --profile: {args.profile} does not exist; run `python -m experiments.calibrate` first")
@@ -89,46 +95,71 @@ def main(argv=None) -> int:
     print(f"# smollm2-135m (float32) on {args.device}, {torch.get_num_threads()} threads; profile {args.profile}: "
           + ", ".join(f"{k}={v}" for k, v in hardware.items() if k not in ("name", "machine")), flush=True)
     print(f"{'point':<16} {'batch':>5} {'prompt':>6} {'measured':>9} {'rounds':>15} {'modelled':>9} {'ratio':>6}  "
-          f"modelled terms (ms): compute / speculation / host / exposed link", flush=True)
+          f"modelled terms (ms): compute / speculation / host / exposed link; memory GB/s", flush=True)
     if args.remodel:
         return remodel(args, hardware, data_dir)
     model, tokenizer = adapter.load(compose("full", {}, {}, None, data_dir).model, device=args.device)
+    weights = calibrate.weights_of(hardware.get("weights_of") or "smollm2-135m") if args.device == "cpu" else None
+    census_root = Path(tempfile.mkdtemp(prefix="validate-census-"))
     ratios = []
     for batch in args.batches:
-        for prompt in args.prompts:
-            task = {"batch_size": batch, "prompt_len": prompt, "gen_len": args.gen, "warmup": args.warmup}
-            runs: dict[str, list[dict]] = {name: [] for name in args.points}
-            for _ in range(args.rounds):  # round-robin: slow drifts of the machine reach every point alike
-                for name in args.points:
-                    method_cfg, overrides = POINTS[name]
-                    cfg = compose(method_cfg, overrides, task, None, data_dir)
-                    t0 = time.perf_counter()
-                    result = latency.run(model, tokenizer, instantiate(cfg.method), cfg.task, data_dir, device=args.device)
-                    runs[name].append({**result, "wall_s": time.perf_counter() - t0})
-            for name in args.points:
-                method_cfg, overrides = POINTS[name]
+        for name in args.points:
+            method_cfg, overrides = POINTS[name]
+            # this point's census, timed now: the rounds below follow within minutes (a census from another
+            # hour timed a machine 10-25% faster or slower than the one measured)
+            census.CACHE = census_root / f"{name}-b{batch}"
+            base = compose(method_cfg, overrides, {"batch_size": batch, "prompt_len": max(args.prompts),
+                                                   "gen_len": args.gen, "timing": "modelled"}, hardware, data_dir)
+            t0 = time.perf_counter()
+            prime_census(base, instantiate(base.method))
+            census_s = time.perf_counter() - t0
+            for prompt in args.prompts:
+                task = {"batch_size": batch, "prompt_len": prompt, "gen_len": args.gen, "warmup": args.warmup}
                 cfg = compose(method_cfg, overrides, task, None, data_dir)
-                medians = [r["decode_ms_median"] for r in runs[name]]
-                measured = dict(runs[name][0], decode_ms_median=statistics.median(medians), decode_ms_rounds=medians)
+                runs, probes = [], []
+                for _ in range(args.rounds):
+                    if weights is not None:  # the rates the profile prices weights and gathers at, measured now
+                        probes.append(calibrate.rates(3, weights))
+                    t0 = time.perf_counter()
+                    result = latency.run(model, tokenizer, instantiate(cfg.method), cfg.task, data_dir,
+                                         device=args.device)
+                    runs.append({**result, "wall_s": time.perf_counter() - t0})
+                medians = [r["decode_ms_median"] for r in runs]
+                measured = dict(runs[0], decode_ms_median=statistics.median(medians), decode_ms_rounds=medians)
+                paired = {k: statistics.median(p[k] for p in probes) for k in probes[0]} if probes else {}
                 mcfg = compose(method_cfg, overrides, {**task, "timing": "modelled", "fetch_fraction": None},
-                               hardware, data_dir)
+                               {**hardware, **paired}, data_dir)
                 method = instantiate(mcfg.method)
                 fractions = per_layer(measured["stats"]) if "kv_fraction" in measured["stats"].get("per_layer", {}) \
                     else None
                 modelled = latency.run_modelled(mcfg, method, fractions=fractions,
                                                 source=f"measured run of this point ({name})")
+                modelled.update(census_s=census_s, rate_rounds=probes)
                 ratio = modelled["decode_ms_median"] / measured["decode_ms_median"]
                 ratios.append(ratio)
                 print(f"{name:<16} {batch:>5} {prompt:>6} {measured['decode_ms_median']:>9.1f} "
                       f"{min(medians):>7.1f}..{max(medians):<7.1f} {modelled['decode_ms_median']:>9.1f} {ratio:>6.2f}  "
                       f"{modelled['compute_ms']:.1f} / {modelled['speculation_ms']:.1f} / {modelled['host_ms']:.1f} / "
-                      f"{modelled['exposed_transfer_ms']:.1f}", flush=True)
+                      f"{modelled['exposed_transfer_ms']:.1f}  {paired.get('memory_gbps', hardware['memory_gbps']):.2f}",
+                      flush=True)
                 if args.results:
                     write_rows(args.results, cfg, mcfg, method, measured, modelled, name, ratio,
-                               sum(r["wall_s"] for r in runs[name]), args.device)
+                               sum(r["wall_s"] for r in runs), args.device)
     worst = max(abs(r - 1) for r in ratios)
     print(f"# {len(ratios)} points; worst |predicted / measured - 1| = {worst:.3f}", flush=True)
     return 0
+
+
+def prime_census(cfg, method) -> None:
+    """Runs the census the model of cfg's point reads (cached in census.CACHE): no fractions needed for that."""
+    from infinigen.offload import census, perf
+    from infinigen.offload.runtime import layer_kind
+
+    hw, shape, task = perf.hardware(cfg.hardware), perf.Shape.of(cfg.model), cfg.task
+    kinds = [layer_kind(method, shape.layer(i), task.runtime) for i in range(shape.layers)]
+    census.census(cfg.model, method, task.runtime, task.batch_size, kinds)
+    perf.dispatch_seconds(hw, cfg.model, method, task.runtime, task.batch_size, kinds)
+    perf.context_seconds(hw, cfg.model, method, task.runtime, task.batch_size, kinds)
 
 
 def write_rows(results, cfg, mcfg, method, measured, modelled, name, ratio, wall_s, device) -> None:
