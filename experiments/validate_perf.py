@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--gen", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3, help="measured runs per point, round-robin over the points")
+    p.add_argument("--rounds", type=int, default=3, help="measured runs per point and prompt length")
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--device", default="cpu", help="cpu, or cuda with a profile of that GPU (--profile)")
     p.add_argument("--results", default=None, help="also write each point's measured and modelled rows here")
