@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -181,3 +182,16 @@ def test_a_profile_of_this_machine_prices_attending_once():
         work = {n: perf.layer_work(hw, shape, p, method, gather, 8, n, n, context_s) for n in (64, 4096)}
         assert (work[4096].attention > 2 * work[64].attention) is grows
         assert (work[4096].speculation > 2 * work[64].speculation) is grows
+
+
+def test_a_census_is_keyed_by_the_code_it_times_not_by_the_model_that_reads_it():
+    """Editing the runtime or the method re-times its census; editing perf.py (the model) does not, so a model
+    change can be checked against the censuses a validation run timed."""
+    from infinigen.offload import census
+
+    files = {Path(f).relative_to(ROOT).as_posix() for f in census.code_files(method_from_conf("infinigen"))}
+    assert {"infinigen/adapter.py", "infinigen/offload/runtime.py", "infinigen/offload/census.py",
+            "infinigen/infinigen_method/infinigen.py"} <= files
+    assert "infinigen/offload/perf.py" not in files
+    assert "baselines/h2o.py" in {Path(f).relative_to(ROOT).as_posix()
+                                  for f in census.code_files(method_from_conf("h2o"))}

@@ -16,7 +16,7 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
-model structure and the code's source.
+model structure and the source of the code they time (not perf.py, which only reads them).
 """
 
 from __future__ import annotations
@@ -160,13 +160,19 @@ def _source(files: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def code_fingerprint(method) -> str:
-    """The runtime's and the method's source (its package: helpers live beside it): a census measures what that
-    code does, so editing it re-measures."""
+def code_files(method) -> list[str]:
+    """The runtime's and the method's source (its package: helpers live beside it), without the performance
+    model: it reads a census and does not change what one measures, so a model-only change can be checked against
+    the censuses a validation run timed."""
     folders = {Path(adapter.__file__).parent} | {Path(inspect.getfile(c)).parent for c in type(method).__mro__
                                                   if c.__module__ not in ("builtins", "abc", "typing")}
-    files = {str(p) for folder in folders for p in folder.rglob("*.py")}
-    return _source(tuple(sorted(files)))
+    model = Path(__file__).with_name("perf.py")
+    return sorted(str(p) for folder in folders for p in folder.rglob("*.py") if p != model)
+
+
+def code_fingerprint(method) -> str:
+    """A census measures what code_files do: editing them re-measures."""
+    return _source(tuple(code_files(method)))
 
 
 def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops") -> list[dict]:
