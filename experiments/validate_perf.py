@@ -86,7 +86,7 @@ def main(argv=None) -> int:
 
     from experiments import calibrate, latency
     from infinigen import adapter
-    from infinigen.offload import census
+    from infinigen.offload import census, perf
 
     if not Path(args.profile).is_file():
         sys.exit(f"error: --profile: {args.profile} does not exist; run `python -m experiments.calibrate` first")
@@ -108,10 +108,10 @@ def main(argv=None) -> int:
             # this point's census, timed now: the rounds below follow within minutes (a census from another
             # hour timed a machine 10-25% faster or slower than the one measured)
             census.CACHE = census_root / f"{name}-b{batch}"
-            base = compose(method_cfg, overrides, {"batch_size": batch, "prompt_len": max(args.prompts),
-                                                   "gen_len": args.gen, "timing": "modelled"}, hardware, data_dir)
-            t0 = time.perf_counter()
-            prime_census(base, instantiate(base.method))
+            base = compose(method_cfg, overrides, {}, None, data_dir)
+            t0 = time.perf_counter()  # one modelled step runs (and caches) every census the point's model reads
+            perf.modelled_steps(perf.hardware(hardware), base.model, instantiate(base.method), base.task.runtime,
+                                batch, max(args.prompts), 1, None)
             census_s = time.perf_counter() - t0
             for prompt in args.prompts:
                 task = {"batch_size": batch, "prompt_len": prompt, "gen_len": args.gen, "warmup": args.warmup}
@@ -148,18 +148,6 @@ def main(argv=None) -> int:
     worst = max(abs(r - 1) for r in ratios)
     print(f"# {len(ratios)} points; worst |predicted / measured - 1| = {worst:.3f}", flush=True)
     return 0
-
-
-def prime_census(cfg, method) -> None:
-    """Runs the census the model of cfg's point reads (cached in census.CACHE): no fractions needed for that."""
-    from infinigen.offload import census, perf
-    from infinigen.offload.runtime import layer_kind
-
-    hw, shape, task = perf.hardware(cfg.hardware), perf.Shape.of(cfg.model), cfg.task
-    kinds = [layer_kind(method, shape.layer(i), task.runtime) for i in range(shape.layers)]
-    census.census(cfg.model, method, task.runtime, task.batch_size, kinds)
-    perf.dispatch_seconds(hw, cfg.model, method, task.runtime, task.batch_size, kinds)
-    perf.context_seconds(hw, cfg.model, method, task.runtime, task.batch_size, kinds)
 
 
 def write_rows(results, cfg, mcfg, method, measured, modelled, name, ratio, wall_s, device) -> None:
