@@ -4,8 +4,10 @@
 
 What it measures (median of --repeats, at torch's thread count here):
   matmul_tflops      8 rows through distinct weights of the model's own shapes (--model: every layer's
-                     projections and MLP, and the LM head; nn.Linear): decode-shaped matmuls, not a square GEMM's
-                     peak (skinny matmuls reach a fraction of it on a CPU)
+                     projections and MLP; nn.Linear): decode-shaped matmuls, not a square GEMM's peak (skinny
+                     matmuls reach a fraction of it on a CPU)
+  head_tflops        the same through the LM head's (vocab, hidden) weight alone: a CPU runs that shape at
+                     0.6-0.85x the layers' rate, and it is a fifth of smollm2-135m's matmul FLOPs per step
   memory_gbps        1 row through the same weights: how a decode step streams that model (a CPU streams a
                      576-wide projection at well under the rate of a 1024-wide one: per-call costs, threading)
   launch_us          the offloading runtime's own decode step on a 16-wide stand-in of smollm2-135m (full
@@ -61,7 +63,8 @@ def best(fn, repeats: int) -> float:
 
 
 def weights_of(model: str, dtype=torch.float32) -> list[torch.Tensor]:
-    """Distinct (out, in) weights of the model's shapes, as a decode step reads them (random values)."""
+    """Distinct (out, in) weights of the model's shapes, as a decode step reads them, the LM head last (random
+    values)."""
     from omegaconf import OmegaConf
 
     from infinigen.offload.perf import Shape
@@ -79,7 +82,7 @@ def _linear_s(weights: list[torch.Tensor], batch: int, repeats: int) -> float:
 
 
 def matmul_tflops(repeats: int, weights: list[torch.Tensor]) -> float:
-    """FLOP/s of decode-shaped matmuls: a batch of 8 rows through each streamed weight (nn.Linear's kernel)."""
+    """FLOP/s of decode-shaped matmuls: a batch of 8 rows through each weight (nn.Linear's kernel)."""
     flops = sum(2 * 8 * w.numel() for w in weights)
     return flops / _linear_s(weights, 8, repeats) / 1e12
 
@@ -169,7 +172,9 @@ def memory_gib() -> float:
 def rates(repeats: int, weights: list[torch.Tensor]) -> dict:
     """The profile's rates a CPU profile (dispatch: stand_in) prices with: a few seconds to measure, so
     validation measures them again beside every measured run (this VM's speed drifts over minutes)."""
-    return {"matmul_tflops": round(matmul_tflops(repeats, weights), 5),
+    *layers, head = weights  # weights_of: the LM head last
+    return {"matmul_tflops": round(matmul_tflops(repeats, layers), 5),
+            "head_tflops": round(matmul_tflops(repeats, [head]), 5),
             "memory_gbps": round(memory_gbps(repeats, weights), 3), "host_gbps": round(host_gbps(repeats), 3)}
 
 
@@ -180,6 +185,7 @@ def calibrate(repeats: int = 5, model: str = "smollm2-135m") -> dict:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "weights_of": model,
         "matmul_tflops": measured["matmul_tflops"],
+        "head_tflops": measured["head_tflops"],
         "memory_gbps": measured["memory_gbps"],
         "h2d_gbps": None,
         "d2h_gbps": None,

@@ -103,7 +103,8 @@ def test_host_is_device_adds_host_work_and_crosses_nothing():
 
 
 @pytest.mark.parametrize("field,value", [("memory_gbps", 0), ("launch_us", -1), ("matmul_tflops", "fast"),
-                                         ("h2d_gbps", None), ("dispatch", "guess")])
+                                         ("h2d_gbps", None), ("dispatch", "guess"),
+                                         ("head_tflops", 0)])
 def test_bad_profiles_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"hardware.{field}|h2d_gbps and hardware.d2h_gbps"):
         perf.hardware(profile(**{field: value}))
@@ -111,6 +112,22 @@ def test_bad_profiles_are_refused_by_name(field, value):
     del cfg["host_gbps"]
     with pytest.raises(ValueError, match="hardware.host_gbps is missing"):
         perf.hardware(cfg)
+
+
+def test_the_lm_head_is_priced_at_its_own_rate_where_a_profile_has_one():
+    """head_tflops (a CPU's rate for the (vocab, hidden) shape) moves the step by exactly the head's FLOPs at the
+    two rates; absent or null, the head runs at matmul_tflops."""
+    cfg = model_cfg("smollm2-135m")
+    shape = perf.Shape.of(cfg)
+    zeros = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
+
+    def step_s(**rates) -> float:
+        hw = perf.hardware(profile(h2d_gbps=None, d2h_gbps=None, matmul_tflops=1e-3, **rates))
+        return perf.decode_steps(method_from_conf("full"), cfg, hw, "auto", 8, 64, 1, None, zeros, zeros)[0]["step_s"]
+
+    flops = 2 * 8 * shape.hidden * shape.vocab
+    assert step_s(head_tflops=None) == step_s()
+    assert step_s(head_tflops=0.25e-3) - step_s() == pytest.approx(flops / 0.25e9 - flops / 1e9, rel=1e-9)
 
 
 def test_modelled_run_needs_no_weights_and_refuses_bad_input_before_anything(tmp_path):

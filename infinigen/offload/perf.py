@@ -40,6 +40,10 @@ HARDWARE_FIELDS = {
 # device); `stand_in` = the seconds the runtime's code takes per segment on this machine at zero width (a CPU
 # profile calibrated here: per-op costs differ by op and the harness's Python between ops counts too)
 DISPATCH = ("ops", "stand_in")
+# optional: the LM head's own matmul rate. A CPU runs a (vocab x hidden) matmul at a few rows slower than the
+# layers' shapes (smollm2-135m's 49152 x 576 at 8 rows: 0.6-0.85x their FLOP/s here), and it is a fifth of the
+# step's matmul FLOPs; null or absent: matmul_tflops (a GPU's tensor cores run it at the same peak)
+HEAD_TFLOPS = "head_tflops"
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Hardware:
     host_gbps: float
     device_memory_gib: float
     dispatch: str = "ops"
+    head_tflops: float | None = None
 
     @property
     def host_is_device(self) -> bool:
@@ -77,6 +82,12 @@ def hardware(cfg) -> Hardware:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
             raise ValueError(f"hardware.{name} must be a positive number ({unit}), got {value!r}")
         values[name] = float(value)
+    head = cfg.get(HEAD_TFLOPS)
+    if head is not None:
+        if isinstance(head, bool) or not isinstance(head, (int, float)) or not head > 0 or math.isinf(head):
+            raise ValueError(f"hardware.{HEAD_TFLOPS} must be a positive number or null (TFLOP/s of the LM head's "
+                             f"matmul; null: matmul_tflops), got {head!r}")
+        values[HEAD_TFLOPS] = float(head)
     dispatch = cfg.get("dispatch", "ops")
     if dispatch not in DISPATCH:
         raise ValueError(f"hardware.dispatch must be one of {DISPATCH}, got {dispatch!r}")
@@ -213,9 +224,15 @@ def step_bytes(method, shape: Shape, plan_: Plan, batch: int, past: int, prompt_
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def roofline(hw: Hardware, flops: float, nbytes: float) -> float:
-    """Seconds for a kernel of `flops` reading/writing `nbytes` at the profile's peaks."""
-    return max(flops / (hw.matmul_tflops * 1e12), nbytes / (hw.memory_gbps * 1e9))
+def roofline(hw: Hardware, flops: float, nbytes: float, tflops: float | None = None) -> float:
+    """Seconds for a kernel of `flops` reading/writing `nbytes` at the profile's peaks (`tflops`: another rate)."""
+    return max(flops / ((tflops or hw.matmul_tflops) * 1e12), nbytes / (hw.memory_gbps * 1e9))
+
+
+def head_seconds(hw: Hardware, shape: Shape, rows: int) -> float:
+    """The LM head over `rows` hidden states, at the profile's head rate."""
+    return roofline(hw, 2 * rows * shape.hidden * shape.vocab, (shape.hidden + rows) * shape.vocab * shape.elem,
+                    hw.head_tflops)
 
 
 @dataclass
@@ -384,8 +401,7 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
                 issue(nxt)
             clock.run(ops["ffn"], work[j].ffn)
             clock.run(ops["norms"], work[j].norms)
-        head = roofline(hw, 2 * batch * shape.hidden * shape.vocab, shape.hidden * shape.vocab * shape.elem)
-        clock.run(dispatch[L]["norms"], head)
+        clock.run(dispatch[L]["norms"], head_seconds(hw, shape, batch))
         clock.sync()
         steps.append({"step_s": clock.host - t0, "h2d_bytes": sum(nbytes), "layer_bytes": nbytes,
                       "transfer_s": link.busy_s - link0, **{f"{k}_s": v - busy0[k] for k, v in clock.busy.items()}})
@@ -434,7 +450,7 @@ def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_
     per_layer = roofline(hw, 2 * b * P * (shape.attn_weights + shape.ffn_weights)
                          + 2 * b * shape.heads * P * P * shape.head_dim,
                          (shape.attn_weights + shape.ffn_weights) * e + 12 * b * P * shape.hidden * e)
-    head = roofline(hw, 2 * b * shape.hidden * shape.vocab, (shape.hidden + b) * shape.vocab * e)
+    head = head_seconds(hw, shape, b)
     if hw.host_is_device:
         return shape.layers * per_layer + head
     t = 0.0
