@@ -823,9 +823,9 @@ SECTIONS: list[Section] = [
             note="Rows from `python -m experiments.calibrate && python -m experiments.validate_perf --results "
                  "docs/store` (not a run.py command). Measured: one untimed run, then the median decode step after a "
                  "2-step warm-up, median over 3 rounds. Modelled: with each method's census timed just before its "
-                 "rounds and the profile's rates measured beside each round (both sides within minutes). On this 2-vCPU VM the "
-                 "same configuration measured 74-136 ms/token in processes minutes apart, which bounds what any "
-                 "validation here can show."),
+                 "rounds and the profile's rates measured beside each round (both sides within minutes). On this "
+                 "2-vCPU VM the same configuration measured 74-136 ms/token in processes minutes apart, which bounds "
+                 "what any validation here can show."),
     Section("speculation", "Beyond the paper: the speculation input",
             "Speculating layer i from layer i's own input norm applied to the residual stream the paper reads "
             "(`block_input`) fetches better tokens than the paper's `previous`, at the same prefetch window.",

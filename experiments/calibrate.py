@@ -7,7 +7,7 @@ What it measures (median of --repeats, at torch's thread count here):
                      projections and MLP; nn.Linear): decode-shaped matmuls, not a square GEMM's peak (skinny
                      matmuls reach a fraction of it on a CPU)
   head_tflops        the same through the LM head's (vocab, hidden) weight alone: a CPU runs that shape at
-                     0.6-0.85x the layers' rate, and it is a fifth of smollm2-135m's matmul FLOPs per step
+                     0.57-0.76x the layers' rate, and it is a fifth of smollm2-135m's matmul FLOPs per step
   memory_gbps        1 row through the same weights: how a decode step streams that model (a CPU streams a
                      576-wide projection at well under the rate of a 1024-wide one: per-call costs, threading)
   launch_us          the offloading runtime's own decode step on a 16-wide stand-in of smollm2-135m (full

@@ -35,15 +35,16 @@ HARDWARE_FIELDS = {
     "gather_gbps": ("GB/s, indexed ops (gather, scatter, index_select) on the device", False),
     "host_gbps": ("GB/s, host memory copy rate of gathers", False),
     "device_memory_gib": ("GiB of device memory", False),
+    # a CPU runs the LM head's (vocab x hidden) matmul at a few rows slower than the layers' shapes (smollm2-135m's
+    # 49152 x 576 at 8 rows: 0.57-0.76x their FLOP/s here), and it is a fifth of the step's matmul FLOPs; a GPU's
+    # tensor cores run it at their peak
+    "head_tflops": ("TFLOP/s, the LM head's matmul; null or absent: matmul_tflops", True),
 }
+OPTIONAL_FIELDS = ("head_tflops",)
 # How a profile prices the ops the runtime dispatches: `ops` = launch_us each (a GPU: launches queue ahead of the
 # device); `stand_in` = the seconds the runtime's code takes per segment on this machine at zero width (a CPU
 # profile calibrated here: per-op costs differ by op and the harness's Python between ops counts too)
 DISPATCH = ("ops", "stand_in")
-# optional: the LM head's own matmul rate. A CPU runs a (vocab x hidden) matmul at a few rows slower than the
-# layers' shapes (smollm2-135m's 49152 x 576 at 8 rows: 0.6-0.85x their FLOP/s here), and it is a fifth of the
-# step's matmul FLOPs; null or absent: matmul_tflops (a GPU's tensor cores run it at the same peak)
-HEAD_TFLOPS = "head_tflops"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ def hardware(cfg) -> Hardware:
                          "or calibrate this machine with `python -m experiments.calibrate`")
     values = {}
     for name, (unit, nullable) in HARDWARE_FIELDS.items():
+        if name not in cfg and name in OPTIONAL_FIELDS:
+            values[name] = None
+            continue
         if name not in cfg:
             raise ValueError(f"hardware.{name} is missing from profile {cfg.get('name')!r} ({unit})")
         value = cfg[name]
@@ -82,12 +86,6 @@ def hardware(cfg) -> Hardware:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
             raise ValueError(f"hardware.{name} must be a positive number ({unit}), got {value!r}")
         values[name] = float(value)
-    head = cfg.get(HEAD_TFLOPS)
-    if head is not None:
-        if isinstance(head, bool) or not isinstance(head, (int, float)) or not head > 0 or math.isinf(head):
-            raise ValueError(f"hardware.{HEAD_TFLOPS} must be a positive number or null (TFLOP/s of the LM head's "
-                             f"matmul; null: matmul_tflops), got {head!r}")
-        values[HEAD_TFLOPS] = float(head)
     dispatch = cfg.get("dispatch", "ops")
     if dispatch not in DISPATCH:
         raise ValueError(f"hardware.dispatch must be one of {DISPATCH}, got {dispatch!r}")
