@@ -69,7 +69,9 @@ def main(argv=None) -> int:
     p.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
     p.add_argument("--prompts", nargs="+", type=int, default=[1024, 2048])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--gen", type=int, default=12)
+    # 22 timed steps a round, not 10: one point's rounds differed by up to 30% (offload at 1 x 1024: 108-141
+    # ms/token at a08cb6c), and 12 more steps cost less than a round's prefill
+    p.add_argument("--gen", type=int, default=24)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="measured runs per point and prompt length")
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
