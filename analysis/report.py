@@ -821,11 +821,11 @@ SECTIONS: list[Section] = [
             (), S.validation_rows, S.validation_verdict, lambda rows: S.speed_validation(rows)[0],
             script=lambda rows: rows[F.column(rows, "metrics.validation_point").notna()],
             note="Rows from `python -m experiments.calibrate && python -m experiments.validate_perf --results "
-                 "docs/store` (not a run.py command). Measured: one untimed run, then the median of 22 decode steps after a "
-                 "2-step warm-up, median over 3 rounds. Modelled: with each method's census timed just before its "
-                 "rounds and the profile's rates measured beside each round (both sides within minutes). On this "
-                 "2-vCPU VM the same configuration measured 74-136 ms/token in processes minutes apart, which bounds "
-                 "what any validation here can show."),
+                 "docs/store` (not a run.py command). Measured: one untimed run, then the median of 22 decode "
+                 "steps after a 2-step warm-up, median over 3 rounds. Modelled: with each method's census timed just "
+                 "before its rounds and the profile's rates measured beside each round (both sides within minutes). "
+                 "On this 2-vCPU VM the same configuration measured 74-136 ms/token in processes minutes apart, which "
+                 "bounds what any validation here can show."),
     Section("speculation", "Beyond the paper: the speculation input",
             "Speculating layer i from layer i's own input norm applied to the residual stream the paper reads "
             "(`block_input`) fetches better tokens than the paper's `previous`, at the same prefetch window.",
