@@ -18,9 +18,10 @@ What it measures (median of --repeats, at torch's thread count here):
   host_gbps          rows of a 256 MB pool gathered by index_select (bytes read + written per second)
   device_memory_gib  this machine's memory
   dispatch           stand_in: the performance model times each method's own code per segment on a stand-in here:
-                     at zero width (what dispatching its ops costs; launch_us above is only their mean for full
-                     attention), and at the model's real heads and head_dim at two context lengths (what each
-                     token of context costs that method here: census `context_seconds`). copy_gbps and gather_gbps
+                     at the run's prompt, batch and head_dim with a narrow residual stream (what its ops cost at
+                     that size beyond the weights; launch_us above is only their mean for full attention; census
+                     `point_seconds`), and at two context lengths (what each further token of context costs that
+                     method here: census `context_seconds`). copy_gbps and gather_gbps
                      are then reported, not used: one bandwidth would price a 4-bit unpack like a copy
 On a CPU the host is the device: h2d_gbps and d2h_gbps are null (nothing crosses a link).
 """
@@ -194,7 +195,7 @@ def calibrate(repeats: int = 5, model: str = "smollm2-135m") -> dict:
         "gather_gbps": round(gather_gbps(repeats), 3),
         "host_gbps": measured["host_gbps"],
         "device_memory_gib": round(memory_gib(), 2),
-        "dispatch": "stand_in",  # per segment: the runtime's code timed here at zero width (perf.DISPATCH)
+        "dispatch": "stand_in",  # per segment: the runtime's code timed here at the run's size (perf.DISPATCH)
     }
 
 

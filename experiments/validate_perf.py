@@ -112,9 +112,10 @@ def main(argv=None) -> int:
             # hour timed a machine 10-25% faster or slower than the one measured)
             census.CACHE = census_root / f"{name}-b{batch}"
             base = compose(method_cfg, overrides, {}, None, data_dir)
-            t0 = time.perf_counter()  # one modelled step runs (and caches) every census the point's model reads
-            perf.modelled_steps(perf.hardware(hardware), base.model, instantiate(base.method), base.task.runtime,
-                                batch, max(args.prompts), 1, None)
+            t0 = time.perf_counter()  # one modelled step per prompt runs (and caches) every census the model reads
+            for prompt in args.prompts:
+                perf.modelled_steps(perf.hardware(hardware), base.model, instantiate(base.method), base.task.runtime,
+                                    batch, prompt, 1, None)
             census_s = time.perf_counter() - t0
             # one untimed run at the longest prompt first: the first run after a census measured full attention
             # at 8 x 1024 at 267 ms/token, the next at 219 (the model: 227), the heap then holds what rounds use

@@ -169,7 +169,7 @@ def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_b
 
     asked = []
 
-    def fake(model_cfg, method, runtime, batch, kinds, measure="ops"):
+    def fake(model_cfg, method, runtime, batch, kinds, measure="ops", prompt=None):
         asked.append(measure)
         value = {"stream": 2e9, "indexed": 1e9, "context_seconds": 7e-6}.get(measure, 1.0)
         return [dict.fromkeys(census.SEGMENTS, value) for _ in range(len(kinds) + 1)]
@@ -183,6 +183,37 @@ def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_b
     local = perf.hardware(profile(dispatch="stand_in"))
     assert perf.context_seconds(local, cfg, method_from_conf("full"), "auto", 1, kinds)[0]["attention"] == 7e-6
     assert asked[-1] == "context_seconds"
+
+
+def test_a_profile_of_this_machine_times_the_code_at_the_runs_size(monkeypatch):
+    """A CPU profile takes each segment's seconds from the stand-in timed at the run's own prompt and batch (the
+    host segment at the census's short prompt: host work is priced from the real selection's bytes); the context
+    slope adds only what grows past the timed context. A GPU profile prices ops from no context."""
+    from infinigen.offload import census
+
+    asked = []
+
+    def fake(model_cfg, method, runtime, batch, kinds, measure="ops", prompt=None):
+        asked.append((measure, prompt))
+        value = {"point_seconds": 1e-3, "seconds": 5e-3, "context_seconds": 1e-6}.get(measure, 1.0)
+        return [dict.fromkeys(census.SEGMENTS, value) for _ in range(len(kinds) + 1)]
+
+    monkeypatch.setattr(census, "census", fake)
+    cfg, method = model_cfg("smollm2-135m"), method_from_conf("infinigen")
+    shape = perf.Shape.of(cfg)
+    p = perf.plan(method, shape, "auto", 2048)
+    local = perf.hardware(profile(dispatch="stand_in"))
+    dispatch, timed_at = perf.dispatch_seconds(local, cfg, method, "auto", 8, 1024, p.kinds)
+    assert ("point_seconds", 1024) in asked and timed_at == census.timed_context(1024) > 1024
+    assert dispatch[1]["speculation"] == 1e-3 and dispatch[1]["host"] == 5e-3
+    context_s = perf.context_seconds(local, cfg, method, "auto", 8, p.kinds)[1]
+    work = {n: perf.layer_work(local, shape, p, method, 1, 8, n, n, context_s, timed_at) for n in (timed_at,
+                                                                                                 timed_at + 100)}
+    assert work[timed_at + 100].attention - work[timed_at].attention == pytest.approx(8 * 100 * 1e-6)
+    assert work[timed_at + 100].speculation - work[timed_at].speculation == pytest.approx(8 * 100 * 1e-6)
+    gpu = perf.hardware(profile())
+    ops, at = perf.dispatch_seconds(gpu, cfg, method, "auto", 8, 1024, p.kinds)
+    assert at == 0 and ops[1]["attention"] == pytest.approx(gpu.launch_us * 1e-6)
 
 
 def test_a_profile_of_this_machine_prices_attending_once():

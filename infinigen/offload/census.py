@@ -7,11 +7,18 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
            census runs at two context lengths and two head_dims, and the part that grows with the context is
            extrapolated (attention over what is attended, the method's per-entry state, its selection, copies)
   indexed  the same for indexed ops (gather, index_select, scatter, ...): random access, priced at a gather rate
-  seconds  for a profile of this machine (dispatch: stand_in): each segment's time here on the stand-in, where
-           the arithmetic is negligible: what dispatching this method's ops costs (CPU op costs differ by op)
+  seconds  for a profile of this machine (dispatch: stand_in): each segment's time here on the stand-in at a
+           short prompt, where the arithmetic is negligible: the model takes the host segment from it (what
+           dispatching a fetch costs; its bytes are priced from the real selection's, not the stand-in's)
+  point_seconds  for the same profile: each segment's time here on the stand-in at the run's own prompt length,
+           batch (up to 8) and head_dim (a narrow residual stream: the weights are the model's to price): what the
+           method's code costs at the run's size, which a zero-width time plus a slope missed by a third for
+           InfiniGen's selection at batch 8 (ops over (rows, heads, context) tensors run in another regime than
+           over tiny ones: their fixed cost grows with the batch and the head width, and is not linear in context)
   context_seconds  for the same profile: each segment's seconds per (batch row, context token), timed here on
-           the stand-in at the model's real heads and head_dim at two context lengths and the run's batch (up to 8): what the method's
-           context-proportional work costs on this machine (dequantising, scoring, copying, attending), where one
+           the stand-in at the model's real heads and head_dim at two context lengths and the run's batch (up to
+           8): what the method's context-proportional work costs on this machine (dequantising, scoring, copying,
+           attending) past the context point_seconds timed, where one
            bandwidth would price every op alike (a CPU runs a 4-bit unpack far slower per byte than a copy)
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
@@ -76,15 +83,17 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def stand_in_arch(arch: dict, layers: int, head_dim: int = 16, positions: int = 256) -> dict:
-    """The model's structure at toy width: same family, heads, KV heads and layer pattern."""
+def stand_in_arch(arch: dict, layers: int, head_dim: int = 16, positions: int = 256, narrow: bool = False) -> dict:
+    """The model's structure at toy width: same family, heads, KV heads and layer pattern. narrow: the residual
+    stream 16 wide per head whatever the head_dim (Llama's head_dim is its own field; OPT's is hidden / heads), so
+    the projections' weights, which the model prices from the real shapes, take next to no time here."""
     heads = int(arch["num_attention_heads"])
     out = {"model_type": arch["model_type"], "num_hidden_layers": layers, "num_attention_heads": heads,
            "vocab_size": 128, "max_position_embeddings": positions}
     if arch["model_type"] == "opt":
         out.update(hidden_size=heads * head_dim, ffn_dim=32, word_embed_proj_dim=heads * head_dim)
     else:
-        out.update(hidden_size=heads * head_dim, intermediate_size=32, head_dim=head_dim,
+        out.update(hidden_size=heads * (16 if narrow else head_dim), intermediate_size=32, head_dim=head_dim,
                    num_key_value_heads=int(arch.get("num_key_value_heads") or heads),
                    rope_theta=float(arch.get("rope_theta", 10000.0)))
     return out
@@ -175,11 +184,13 @@ def code_fingerprint(method) -> str:
     return _source(tuple(code_files(method)))
 
 
-def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops") -> list[dict]:
+def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops",
+           prompt: int | None = None) -> list[dict]:
     """Per decode step, for each of the real model's layers {segment: value}, plus the step's own last.
     measure: "ops" (dispatched ops, at the run's batch up to 2), "seconds" (what the runtime's code takes per
-    segment on this machine at zero width: dispatch and Python), "stream" / "indexed" (bytes per (batch row,
-    context token), at the real head_dim: see the module doc)."""
+    segment on this machine at zero width: dispatch and Python), "point_seconds" (the same at the run's
+    `prompt`, batch up to 8 and head_dim: see the module doc), "stream" / "indexed" (bytes per (batch row, context
+    token), at the real head_dim: see the module doc)."""
     steady, n = _steady(kinds)
     ident = [type(method).__name__, _params(method), runtime, stand_in_arch(dict(model_cfg.arch), n), measure,
              torch.__version__, code_fingerprint(method)] + ([TIMED_REPEATS] if "seconds" in measure else [])
@@ -187,9 +198,14 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
     if measure == "ops":
         return _spread(_cached(ident + [min(batch, 2)], lambda: _count(model_cfg, method, runtime, min(batch, 2), n,
                                                                        measure)), kinds)
-    if measure == "seconds":  # this machine's time per segment at zero width: dispatch and the code's Python
+    if measure == "seconds":  # this machine's time per segment at zero width: the host segment's dispatch
         ident += [min(batch, 2), platform.node(), torch.get_num_threads()]
         return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, min(batch, 2), n, measure)), kinds)
+    if measure == "point_seconds":
+        rows = min(batch, 8)
+        ident += [d, prompt, rows, platform.node(), torch.get_num_threads()]
+        return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, rows, n, "seconds", prompt=prompt,
+                                                     head_dim=d, narrow=True)), kinds)
     if measure == "context_seconds":
         # at the run's batch (up to 8): a CPU's caches hold one row's KV and not eight, so the cost per
         # (row, token) depends on the batch
@@ -230,9 +246,15 @@ def _params(method) -> dict:
             ("calib_data_dir", "cache_dir")}
 
 
+def timed_context(prompt: int) -> int:
+    """The context length of the step a timed census reports: the median of its steady steps."""
+    return prompt + 1 + CENSUS_STEPS // 2
+
+
 def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
-           head_dim: int = 16) -> list[dict]:
-    arch = stand_in_arch(dict(model_cfg.arch), layers, head_dim, positions=max(256, 2 * (prompt + CENSUS_STEPS)))
+           head_dim: int = 16, narrow: bool = False) -> list[dict]:
+    arch = stand_in_arch(dict(model_cfg.arch), layers, head_dim, positions=max(256, 2 * (prompt + CENSUS_STEPS)),
+                         narrow=narrow)
     cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
                             "seed": 0, "arch": arch})
     model, _ = adapter.load(cfg, device="cpu")

@@ -42,8 +42,9 @@ HARDWARE_FIELDS = {
 }
 OPTIONAL_FIELDS = ("head_tflops",)
 # How a profile prices the ops the runtime dispatches: `ops` = launch_us each (a GPU: launches queue ahead of the
-# device); `stand_in` = the seconds the runtime's code takes per segment on this machine at zero width (a CPU
-# profile calibrated here: per-op costs differ by op and the harness's Python between ops counts too)
+# device); `stand_in` = the seconds the runtime's code takes per segment on this machine, timed on the stand-in at
+# the run's size (a CPU profile calibrated here: per-op costs differ by op and by tensor size, and the harness's
+# Python between ops counts too)
 DISPATCH = ("ops", "stand_in")
 
 
@@ -245,14 +246,15 @@ class Segments:
 
 
 def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: int, seen: int, attended: float,
-               context_s: dict) -> Segments:
+               context_s: dict, timed_at: int = 0) -> Segments:
     """Roofline seconds of layer i's segments at a step where `seen` tokens exist and each (row, KV head) attends
     `attended` entries (itself included). Weights and FLOPs from the shapes; what grows with the context
-    (`context_s`: seconds per batch row and context token per segment, `context_seconds`) on top."""
+    (`context_s`: seconds per batch row and context token per segment, `context_seconds`) past `timed_at` (the
+    context the dispatch seconds were timed at, which hold what it cost there) on top."""
     b, e, d, h = batch, shape.elem, shape.head_dim, shape.heads
     q_w = shape.hidden * h * d
     kv_w = 2 * shape.hidden * shape.kv_heads * d
-    ctx = b * seen
+    ctx = b * (seen - timed_at)
 
     def seg(name: str, flops: float, weights: float) -> float:
         # matmuls over the weights at the roofline; what the context adds (attention's copies, scores, the
@@ -266,7 +268,11 @@ def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: i
     out.projections = roofline(hw, 2 * b * (q_w + kv_w), (q_w + kv_w) * e)
     out.attention = seg("attention", per_entry * 4 * b * h * attended * d + 2 * b * q_w, q_w)
     if plan_.kinds[i] == "gather":
-        out.speculation = seg("speculation", per_entry * b * method.selection_flops(shape.layer(i), seen - 1), 0)
+        # what the selection spends however long the past (InfiniGen: the speculated query through the query
+        # weight) is matmuls over weights, read once: flops / 2 of them per row
+        fixed = method.selection_flops(shape.layer(i), 0)
+        out.speculation = seg("speculation", b * method.selection_flops(shape.layer(i), seen - 1) if per_entry
+                              else b * fixed, fixed / 2)
     out.ffn = seg("ffn", 2 * b * shape.ffn_weights, shape.ffn_weights)
     out.norms = seg("norms", 0, 0)
     return out
@@ -351,13 +357,15 @@ def attended_entries(method, plan_: Plan, i: int, seen: int, selected: float) ->
 
 
 def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
-                 fractions: list[float] | None, dispatch: list[dict], context_s: list[dict]) -> list[dict]:
+                 fractions: list[float] | None, dispatch: list[dict], context_s: list[dict],
+                 timed_at: int = 0) -> list[dict]:
     """Each decode step's modelled seconds and breakdown, replaying OffloadedMethod's order of events: a layer's
     fetch is issued at the previous layer's attention start (held, and gathers speculated at attention_start; the
     next step's layer 0 at the last layer for held), at its attention end (attention_end), or by the layer itself
     before its attention (query, or nothing issued it earlier); the layer's attention waits for it. `dispatch`:
     per layer (and the step's own last) {segment: seconds} of dispatch (`dispatch_seconds`); `context_s`: per layer
-    {segment: seconds per batch row and context token} (`context_seconds`)."""
+    {segment: seconds per batch row and context token} (`context_seconds`), past `timed_at` tokens of context
+    (what `dispatch` was timed at; its "host" at none)."""
     shape = Shape.of(model_cfg)
     p = plan(method, shape, runtime, prompt_len + gen_len)
     link, clock = Link(hw), Clock(overlap=not hw.host_is_device)
@@ -371,7 +379,7 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
         sel = selected_counts(fractions, p, seen)
         nbytes = step_bytes(method, shape, p, batch, past, prompt_len, sel)
         work = [layer_work(hw, shape, p, method, j, batch, seen, attended_entries(method, p, j, seen, sel[j]),
-                           context_s[j]) for j in range(L)]
+                           context_s[j], timed_at) for j in range(L)]
         t0, busy0, link0 = max(clock.host, clock.device), dict(clock.busy), link.busy_s
         def issue(j: int) -> None:
             if p.kinds[j] == "gather":  # the selection on the compute stream, then its indices reach the host
@@ -406,14 +414,21 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
     return steps
 
 
-def dispatch_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> list[dict]:
-    """Per layer {segment: seconds} spent dispatching the runtime's ops, as the profile prices them."""
+def dispatch_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, prompt_len: int,
+                     kinds: list[str]) -> tuple[list[dict], int]:
+    """(per layer {segment: seconds} the runtime's ops take beyond the weights' roofline, the context length
+    they were timed at). A GPU profile: each dispatched op at launch_us, at no context (what grows with it is
+    priced from bytes). A profile of this machine: the stand-in timed here at the run's prompt, batch and head
+    width; the host segment at the census's short prompt (host work is priced from the bytes the real selection
+    moves, not the stand-in's own)."""
     from infinigen.offload import census
 
     if hw.dispatch == "stand_in":
-        return census.census(model_cfg, method, runtime, batch, kinds, measure="seconds")
+        point = census.census(model_cfg, method, runtime, batch, kinds, "point_seconds", prompt=prompt_len)
+        short = census.census(model_cfg, method, runtime, batch, kinds, measure="seconds")
+        return [{**p, "host": s["host"]} for p, s in zip(point, short)], census.timed_context(prompt_len)
     ops = census.census(model_cfg, method, runtime, batch, kinds)
-    return [{seg: n * hw.launch_us * 1e-6 for seg, n in layer.items()} for layer in ops]
+    return [{seg: n * hw.launch_us * 1e-6 for seg, n in layer.items()} for layer in ops], 0
 
 
 def context_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> list[dict]:
@@ -436,9 +451,9 @@ def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, pr
 
     shape = Shape.of(model_cfg)
     kinds = [layer_kind(method, shape.layer(i), runtime) for i in range(shape.layers)]
-    dispatch = dispatch_seconds(hw, model_cfg, method, runtime, batch, kinds)
+    dispatch, timed_at = dispatch_seconds(hw, model_cfg, method, runtime, batch, prompt_len, kinds)
     return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch,
-                        context_seconds(hw, model_cfg, method, runtime, batch, kinds))
+                        context_seconds(hw, model_cfg, method, runtime, batch, kinds), timed_at)
 
 
 def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_len: int) -> float:
