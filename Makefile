@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench sweep smoke figures tables calibrate validate-perf export report clean
+.PHONY: help install run test test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf export report clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ test-fast: install  ## the suite without slow-marked checks
 
 bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-135m (prints ratios)
 	$(PY) experiments/bench_sim.py
+
+bench-ops: install  ## ops and host syncs per decode step / sim forward of each method (CPU, 30-40 min here; rows into results/; OPS_ARGS=...)
+	$(PY) experiments/bench_ops.py --results results $(OPS_ARGS)
 
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)
 	$(PY) run.py -m +experiment=$(EXP) data_dir=$(DATA_DIR)

@@ -31,6 +31,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis import figures as F
+from analysis import ops as O
 from analysis import speed as S
 from analysis import store
 from analysis import tables as T
@@ -892,6 +893,34 @@ SECTIONS: list[Section] = [
                  "one WikiText-2 window: sim forward, log-probs, the decode-mode cache measurement) and one plain "
                  "transformers SDPA forward of the same tokens with its logits; `loaded` is that process before "
                  "its forward. RSS does not depend on the machine's load."),
+    Section("ops_decode", "Beyond the paper: kernel launches and host syncs per decode step",
+            "On a GPU each dispatched op is a kernel launch (~5-10 us of host time) and each host synchronisation "
+            "(`.item()`, `bool(t)`, `nonzero`, a boolean mask index, a blocking device->host copy) drains the launch "
+            "queue. The offloading runtime's steady decode step for the paper's rows (full under runtime ideal and "
+            "auto, offload, quant, H2O, InfiniGen) should synchronise the host nowhere, and InfiniGen's ops per "
+            "layer-step should not grow with the prompt or the batch (tests/test_bench_ops.py, the gate).",
+            (), O.decode_table, O.decode_verdict, script=O.decode_rows,
+            note="Rows from `make bench-ops` (`python experiments/bench_ops.py --results results`, then `make "
+                 "export WHERE=task=ops`; not a run.py command): each conf/method at its defaults (`auto` runtime; "
+                 "full also `ideal`) on tiny-llama-gqa and tiny-opt (random weights), at batch x prompt 1 x 512 to "
+                 "8 x 2048. Counted with a TorchDispatchMode on the thread that launches kernels, through the "
+                 "runtime's CUDA code path run on the CPU (link work on its worker thread, which is host-side work "
+                 "and not counted), over the steady decode steps (Timer.begin..end after 2 steps, the last dropped). "
+                 "`ops/layer`: aten ops per step / layers (composite ops counted by what they run); `syncs/layer`: "
+                 "host syncs per step / layers (by op and call site in the rows, `metrics.sync_sites`); `waits/layer`: "
+                 "the launching thread blocking on the link (a worker's Future, an event). What each counts: the "
+                 "module doc of experiments/bench_ops.py."),
+    Section("ops_sim", "Beyond the paper: ops and host syncs of a sim-mode forward",
+            "A sim-mode forward (perplexity, lm-eval scoring) is one batched pass, so its op count should not grow "
+            "with the sequence; methods whose selection loops over rows in Python (H2O, TOVA, ...) dispatch ops per "
+            "row, and their counts grow with it.",
+            (), O.sim_table, O.sim_verdict, script=O.sim_rows,
+            note="Rows from `make bench-ops` (as above): one `modes.sim_logits` forward of random ids (dense_rows=0; "
+                 "SnapKV and ShadowKV compress a prompt: half the tokens are theirs) at 512, 1024 and 2048 "
+                 "tokens on tiny-llama-gqa and on smollm2-135m's shape with random weights (model.random_init=true), "
+                 "every method's bind (InfiniGen's calibration) run before and not counted. A point projected "
+                 "(from the growth of the method's previous lengths) to take longer than the benchmark's "
+                 "--sim-budget (120 s) on this 2-core machine is skipped and marked so."),
 ]
 
 
@@ -978,8 +1007,9 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     out = Path(out)
     df = load(store_dir)
     verdicts: dict[str, list[str]] = {}
-    # rows written by scripts (experiments/validate_perf.py, bench_memory.py), not by a run.py command
+    # rows written by scripts (experiments/validate_perf.py, bench_memory.py, bench_ops.py), not by a run.py command
     scripted = (F.column(df, "metrics.validation_point").notna() | (F.column(df, "metrics.benchmark") == "memory")
+                | O.is_ops(df)
                 if not df.empty else pd.Series(dtype=bool))
     script_rows, df = (df[scripted], df[~scripted]) if not df.empty else (df, df)
     commands = list(dict.fromkeys(c for s in SECTIONS for c in s.commands))

@@ -10,6 +10,8 @@ import torch
 
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend
+from infinigen.offload import kernels
+from infinigen.offload.codecs import head_major
 
 BITS = (8, 4, 2, 1)
 PARAM_DTYPE = torch.float16  # per-group scale and zero-point, as stored
@@ -76,6 +78,16 @@ class QuantCodec:
         vc, vs, vz = quantize(v, self.bits, self.group)
         params = [p.contiguous().view(torch.uint8) for p in (ks, kz, vs, vz)]
         return torch.cat([pack(kc, self.bits), pack(vc, self.bits), *params], dim=-1)
+
+    def decode_pool(self, rows: torch.Tensor, b: int, hk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-major pool rows (n, b*h_kv, W) -> K, V (b, h_kv, n, d): on CUDA one fused pass (Triton), reading
+        each code byte once and writing a contiguous head-major cache; elsewhere `decode` on the permuted rows."""
+        d = self.codes * 8 // self.bits
+        if kernels.available(rows.device) and kernels.dequantize_supported(d, self.bits, self.codes, self.params,
+                                                                           self.width):
+            return kernels.dequantize_pool(rows, b, hk, d, self.bits, self.group, self.codes, self.params,
+                                           self.out_dtype)
+        return self.decode(head_major(rows, b, hk))
 
     def decode(self, rows):
         kc, vc, ks, kz, vs, vz = rows.split([self.codes] * 2 + [self.params] * 4, dim=-1)

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import GatheringMethod, grouped_matmul
+from infinigen.contract import GatheringMethod, grouped_matmul, widen
 from infinigen.infinigen_method.select_evict import budget_cap, top_n
 
 GQA_REDUCE = ("max", "sum")
@@ -33,7 +33,10 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's criticality: sum_c max(q_c * min_c, q_c * max_c), an upper bound of q.k over the page's keys.
     q (b, h_kv, g, r, d); kmin/kmax (b, h_kv, n_pages, d) -> (b, h_kv, g, r, n_pages).
-    max(q*lo, q*hi) is q*hi for q >= 0 and q*lo for q < 0 (lo <= hi), so it is two matmuls."""
+    max(q*lo, q*hi) is q*hi for q >= 0 and q*lo for q < 0 (lo <= hi), so it is two matmuls. In float32 at least
+    (`widen`): half-precision bounds of two pages a few per mille apart would tie, and the page kept would follow
+    the rounding of each mode's product."""
+    q, kmin, kmax = widen(q), widen(kmin), widen(kmax)
     pos = q.clamp(min=0)
     return grouped_matmul(pos, kmax) + grouped_matmul(q - pos, kmin)
 

@@ -12,7 +12,7 @@ import torch
 
 from baselines.shadowkv import NEG, gather_seq, record_recall, stable_top
 from baselines.snapkv import SnapKV
-from infinigen.contract import GatheringMethod, grouped_matmul
+from infinigen.contract import GatheringMethod, grouped_matmul, widen
 
 
 def chunk_prefix(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +117,12 @@ class RocketKV(GatheringMethod):
     # ------------------------------------------------------------------ stage 2 (both modes)
     def approx_scores(self, layer, q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, channels: int):
         """q (b, h, r, d); hi/lo (b, h_kv, n, d) chunk max / min keys -> per query head the approximate logits of
-        each chunk (b, h_kv, g, r, n) and the softmax temperature (b, h_kv, g, r, 1)."""
+        each chunk (b, h_kv, g, r, n) and the softmax temperature (b, h_kv, g, r, 1), in float32 at least: the top
+        channels, the approximate softmax and the top-k it ranks would tie in half precision, and a tie is broken
+        by position, not by the model."""
         b, h, r, d = q.shape
         hk = hi.shape[1]
-        q = q.view(b, hk, h // hk, r, d)
+        q, hi, lo = widen(q).view(b, hk, h // hk, r, d), widen(hi), widen(lo)
         mag = q.abs()
         top = torch.zeros(b, hk, r, d, dtype=torch.bool, device=q.device)
         top.scatter_(-1, stable_top(mag.mean(2), channels), True)  # (b, hk, r, d)

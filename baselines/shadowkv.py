@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from infinigen.contract import GatheringMethod, attend, logits
+from infinigen.contract import GatheringMethod, attend, selection_logits, widen
 
 NEG = float("-inf")
 
@@ -60,7 +60,7 @@ def record_recall(stats, layer, q: torch.Tensor, k: torch.Tensor, keep: torch.Te
     """Sim mode: the share of each query head's exact attention mass (true keys, causal prefix) on the entries it
     attends. q (b, h, r, d) at positions `rows`; k (b, h_kv, s, d); keep (b, h_kv, r, s) (causality applied here)."""
     s = k.shape[2]
-    scores = logits(q, k, layer.logit_scale).float()  # (b, hk, g, r, s)
+    scores = selection_logits(q, k, layer.logit_scale)  # (b, hk, g, r, s)
     causal = torch.arange(s, device=rows.device)[None, :] <= rows[:, None]  # (r, s)
     full = scores.masked_fill(~causal, NEG).logsumexp(-1)
     held = scores.masked_fill(~(keep & causal).unsqueeze(2), NEG).logsumexp(-1)
@@ -70,7 +70,7 @@ def record_recall(stats, layer, q: torch.Tensor, k: torch.Tensor, keep: torch.Te
 @dataclass
 class ShadowKV(GatheringMethod):
     """At the end of the prefill, per layer: the pre-RoPE prompt keys (b, P, h_kv*d) are factored by SVD and only
-    rank `rank` factors are kept (U (b, P, r), S V^T (b, r, h_kv*d)); the prompt before the local window is cut in
+    rank `rank` factors are kept (U S (b, P, r), V^T (b, r, h_kv*d)); the prompt before the local window is cut in
     chunks of `chunk` tokens, each with a landmark (the mean of its post-RoPE keys). Per KV head, the `outliers`
     chunks whose keys are least similar to their landmark (lowest min cosine) are kept exact on the device, with
     the local window (the last `local` chunks and the remainder of the prompt) and every generated token. Each
@@ -83,7 +83,9 @@ class ShadowKV(GatheringMethod):
     * `budget` is a fraction of the prompt (the paper's sparse budget, 1.56% at 128K, in chunks, rounded up);
     * the pre-RoPE keys are the post-RoPE keys rotated back (the adapter's `rope` with -sin): the adapter exposes
       keys as the attention sees them, and this keeps it unchanged;
-    * every decoded row attends itself (harness-wide), which ShadowKV also does (its generated tokens stay exact).
+    * every decoded row attends itself (harness-wide), which ShadowKV also does (its generated tokens stay exact);
+    * the singular values are kept with U (the reference keeps U and S V^T): the same product, but each factor
+      then stays within the keys' own range, which S V^T exceeds in fp16 on long prompts with outlier channels.
     """
 
     needs_prompt: ClassVar[bool] = True
@@ -137,34 +139,40 @@ class ShadowKV(GatheringMethod):
         chunks, n_out, _ = self.layout(P)
         pre = k if cos is None else layer.rope(k, (cos, -sin))  # RoPE undone: (b, hk, P, d)
         flat = pre.transpose(1, 2).reshape(b, P, hk * d)
-        u, s, vh = torch.linalg.svd(flat.double() if flat.dtype == torch.float64 else flat.float(), full_matrices=False)
+        u, s, vh = torch.linalg.svd(widen(flat), full_matrices=False)
         r = min(self.rank, s.shape[-1])
-        state = {"u": u[..., :r].to(k.dtype),  # (b, P, r)
-                 "sv": (s[..., :r, None] * vh[:, :r]).to(k.dtype).view(b, r, hk, d).transpose(1, 2),  # (b, hk, r, d)
+        # the singular values go with U (rows of U S are the keys' coordinates, as large as the keys themselves),
+        # not with V^T: along an outlier channel S V^T grows with sqrt(prompt length) and overflows fp16 on long
+        # prompts (300 x sqrt(65,536) = 76,800 > 65,504)
+        state = {"us": (u[..., :r] * s[:, None, :r]).to(k.dtype),  # (b, P, r)
+                 "vh": vh[:, :r].to(k.dtype).view(b, r, hk, d).transpose(1, 2),  # (b, hk, r, d)
                  "cos": cos, "sin": sin}
-        ctx = k[:, :, : chunks * self.chunk].unflatten(2, (chunks, self.chunk))  # (b, hk, C, c, d)
+        # landmarks and the outlier test in float32 at least: a half-precision cosine squares the keys' norms
+        ctx = widen(k[:, :, : chunks * self.chunk]).unflatten(2, (chunks, self.chunk))  # (b, hk, C, c, d)
         marks = ctx.mean(3)  # (b, hk, C, d)
         similarity = torch.nn.functional.cosine_similarity(marks.unsqueeze(3), ctx, dim=-1).amin(-1)  # (b, hk, C)
         outlier = torch.zeros(b, hk, chunks, dtype=torch.bool, device=k.device)
         outlier.scatter_(-1, stable_top(-similarity, n_out), True)
-        state.update(marks=marks, outlier=outlier)
+        state.update(marks=marks.to(k.dtype), outlier=outlier)  # stored as keys are
         return state
 
     def rebuilt_keys(self, layer, state, index: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys of prompt positions `index` (b, h_kv, n) from the low-rank factors."""
-        u, sv = state["u"], state["sv"]
+        us, vh = state["us"], state["vh"]
         b, hk, n = index.shape
-        rows = u[:, None].expand(b, hk, *u.shape[1:]).gather(2, index[..., None].expand(b, hk, n, u.shape[-1]))
-        pre = torch.matmul(rows, sv)  # (b, hk, n, d)
+        rows = us[:, None].expand(b, hk, *us.shape[1:]).gather(2, index[..., None].expand(b, hk, n, us.shape[-1]))
+        # summed in float32 at least, then stored as keys are: sim rebuilds every position at once, decode only the
+        # selected ones, and a half-precision sum would round differently in the two
+        pre = torch.matmul(widen(rows), widen(vh)).to(vh.dtype)  # (b, hk, n, d)
         return pre if state["cos"] is None else rope_at(layer, pre, state["cos"], state["sin"], index)
 
     def chunks_kept(self, layer, state, q: torch.Tensor, prompt: int) -> torch.Tensor:
         """Which context chunks rows with queries q (b, h, r, d) attend besides the exact ones: (b, h_kv, r, C)."""
         marks, outlier = state["marks"], state["outlier"]
         _, _, n = self.layout(prompt)
-        scores = logits(q, marks, layer.logit_scale)  # (b, hk, g, r, C)
+        scores = selection_logits(q, marks, layer.logit_scale)  # (b, hk, g, r, C), float32 at least
         scores = scores.masked_fill(outlier[:, :, None, None], NEG)
-        probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).amax(2)  # (b, hk, r, C)
+        probs = torch.softmax(scores, -1).amax(2)  # (b, hk, r, C)
         keep = torch.zeros_like(probs, dtype=torch.bool)
         return keep.scatter_(-1, stable_top(probs, n), True) & ~outlier[:, :, None]
 
@@ -233,7 +241,10 @@ class ShadowKV(GatheringMethod):
         index, valid = packed(keep)  # (b, hk, k)
         _, values, _ = store.selected(keep)  # every entry (resident) or the k gathered rows + the current one
         k = index.shape[-1]
-        chosen = values[:, :, :k] if values.shape[2] == k + 1 else gather_seq(values, index)
+        # the runtime gathered the kept rows first, in position order (GatheringMethod.select_indices), then its
+        # other selected slots and the current token: the first k are these
+        gathered = getattr(store, "gathered", None) is not None
+        chosen = values[:, :, :k] if gathered else gather_seq(values, index)
         key, value = store.recent_keys(1), values[:, :, -1:]  # the current token, exact
         keys = torch.cat([self.rebuilt_keys(layer, state, index), state["k"], key], 2)
         vals = torch.cat([chosen, state["v"], value], 2)
@@ -251,5 +262,6 @@ class ShadowKV(GatheringMethod):
         total = 0
         for s in stores:
             state = s.state.get("shadowkv", {})
-            total += sum(state[n].numel() * state[n].element_size() for n in ("u", "sv", "marks", "k", "v") if n in state)
+            total += sum(state[n].numel() * state[n].element_size()
+                         for n in ("us", "vh", "marks", "k", "v") if n in state)
         return total

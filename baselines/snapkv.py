@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from baselines.streaming import check_budget, token_count
-from infinigen.contract import KVMethod, logits
+from infinigen.contract import KVMethod, selection_logits
 
 POOLING = {"max": F.max_pool1d, "avg": F.avg_pool1d}
 
@@ -61,11 +61,11 @@ class SnapKV(KVMethod):
         """q_window (b, h, w, d): the last w prompt rows; k_prompt (b, h_kv, n, d) -> pooled votes on the prefix,
         (b, h_kv, n - w)."""
         w, n = q_window.shape[2], k_prompt.shape[2]
-        scores = logits(q_window, k_prompt, scale)  # (b, hk, g, w, n)
+        scores = selection_logits(q_window, k_prompt, scale)  # (b, hk, g, w, n), float32 at least
         rows = torch.arange(n - w, n, device=scores.device)
         causal = torch.arange(n, device=scores.device)[None, :] <= rows[:, None]  # (w, n)
         scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        probs = torch.softmax(scores, -1)
         votes = probs[..., : n - w].sum((2, 3))  # (b, hk, n - w)
         b, hk, m = votes.shape
         pooled = POOLING[self.pooling](votes.view(b * hk, 1, m), self.kernel, stride=1, padding=self.kernel // 2)

@@ -14,7 +14,7 @@ import torch
 
 from baselines.streaming import check_budget, index_of, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend
+from infinigen.contract import KVMethod, attend, widen
 
 
 @dataclass
@@ -41,10 +41,12 @@ class TOVA(KVMethod):
         (b, h_kv, s) attention probabilities summed over each KV head's query heads (0 where not held)."""
         b, h, _, d = q.shape
         hk = keys.shape[1]
-        logits = torch.einsum("bkgd,bksd->bkgs", q.reshape(b, hk, h // hk, d), keys) * layer.logit_scale
+        # float32 at least: evicting the least attended of entries whose half-precision probabilities tie would be
+        # decided by each mode's rounding (sim scores a row against every position, decode against the held ones)
+        logits = torch.einsum("bkgd,bksd->bkgs", widen(q).reshape(b, hk, h // hk, d), widen(keys)) * layer.logit_scale
         if held is not None:
             logits = logits.masked_fill(~held[:, :, None], float("-inf"))
-        return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).sum(2)
+        return torch.softmax(logits, dim=-1).sum(2)
 
     @staticmethod
     def drop_index(probs: torch.Tensor, n: int) -> torch.Tensor:

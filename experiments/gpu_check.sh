@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# Offloading-runtime latency on one GPU: ideal / infinigen / h2o / quant-int4 / offload rows (one table each) for
-#   (a) OPT-13B shape, random init, fp16, batch 8, prompt 1920 + 128 generated (InfiniGen Figs. 14-15's setting)
-#   (b) SmolLM2-135M shape, random init, fp16, batch 32, prompt 4096 + 64 generated
-# Sized for ~6 minutes on one H200: each config has its own timeout and rows print as they finish (offload, the
-# slowest, last). Random init: real shapes without weights; prompts are random ids, so InfiniGen's dynamic count
-# mostly hits its budget cap (0.2).
+# One GPU check, modelled beside measured (~4-5 minutes on one H200; every step has its own time limit and the
+# script goes on past a failed or timed-out step, so what finished always comes back):
+#   1. calibrate this GPU: experiments/calibrate.py --device cuda --model opt-13b -> OUT/measured_profile.yaml
+#      (commit it as conf/hardware/h200_pcie5_calibrated.yaml)
+#   2. OPT-13B's shape (random init, float16) at batch 20, prompt 1920 + 128 generated, rows ideal, quant-int4,
+#      h2o, infinigen-b0.05 (InfiniGen at budget 0.05: random weights select up to the cap, and 0.05 stands in for
+#      a real model's 4-5%) and offload (the slowest, last) -> OUT/latency.jsonl, one row each as it finishes
+#   3. the performance model on the profile just measured, each row modelled with the census of this checkout's
+#      code and the rows it moved (InfiniGen: its measured fetch fraction) -> OUT/latency_modelled.jsonl and a
+#      printed table measured vs modelled with the ratios (then the same on the datasheet profile h200_pcie5)
 #
-#   bash experiments/gpu_check.sh                 # on the GPU machine, from the repo root
-#   bash experiments/gpu_check.sh --cpu-smoke     # tiny shapes on CPU: the same code path, in seconds
-#   bash experiments/gpu_check.sh --fetch-wheels  # once, where pip reaches PyPI: what the GPU image lacks
+#   bash experiments/gpu_check.sh [OUT]               # on the GPU machine, from the repo root (OUT: $OUT, else
+#                                                     # .gpu_check/out)
+#   bash experiments/gpu_check.sh --cpu-smoke [OUT]   # the same steps at tiny-opt's shape (float16) on a CPU, in
+#                                                     # seconds: calibrate's dry run, then steps 2 and 3 (CI runs it)
+#   bash experiments/gpu_check.sh --fetch-wheels      # once, where pip reaches PyPI: what the GPU image lacks
 #
 # --fetch-wheels puts pinned pure-Python wheels (transformers, hydra-core, omegaconf, antlr4) and the pg19 text
 # InfiniGen calibrates on into .gpu_check/ (git-ignored through .git/info/exclude); a GPU run installs the wheels
 # into /tmp/gpu_check_site first. Env: PYTHON (default python3), DATA_DIR (default ../shared/data, then
-# .gpu_check/data).
-set -euo pipefail
+# .gpu_check/data), OUT.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+T0=$(date +%s)
 
 data_dir() {
   for d in "${DATA_DIR:-}" ../shared/data .gpu_check/data; do
@@ -27,8 +34,24 @@ data_dir() {
   return 1
 }
 
-case "${1:-gpu}" in
+status=0
+# step NAME SECONDS CMD...: progress, a hard time limit (then SIGKILL 10 s later), the exit status kept
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== [$(($(date +%s) - T0)) s] $name (limit ${limit} s)"
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    status=$rc
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "!! $name: timed out after ${limit} s"; else echo "!! $name: exit $rc"; fi
+  fi
+  return 0
+}
+
+mode=${1:-gpu}
+case "$mode" in
   --fetch-wheels)
+    set -e
     mkdir -p .gpu_check/wheels .gpu_check/data/pg19
     grep -qxF '/.gpu_check/' .git/info/exclude 2>/dev/null || echo '/.gpu_check/' >> .git/info/exclude
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu_check/wheels \
@@ -37,36 +60,54 @@ case "${1:-gpu}" in
     cp "$(data_dir)/pg19/pg19_firstbook.txt" .gpu_check/data/pg19/
     ls -l .gpu_check/wheels
     exit 0 ;;
-  --cpu-smoke)
-    data=$(data_dir)
-    timeout 300 "$PY" -m experiments.latency --device cpu --data-dir "$data" --model tiny-opt --batch 2 \
-      --prompt 64 --gen 6 --set task.warmup=1
-    timeout 300 "$PY" -m experiments.latency --device cpu --data-dir "$data" --model tiny-llama-gqa --batch 3 \
-      --prompt 80 --gen 6 --set task.warmup=1
-    exit 0 ;;
-  gpu) ;;
-  *) echo "usage: bash experiments/gpu_check.sh [--cpu-smoke | --fetch-wheels]" >&2; exit 2 ;;
+  --cpu-smoke) OUT=${2:-${OUT:-$(mktemp -d)}} ;;
+  gpu | */* | .* | [a-zA-Z0-9_]*) [ "$mode" = gpu ] && OUT=${OUT:-.gpu_check/out} || OUT=$mode ;;
+  *) echo "usage: bash experiments/gpu_check.sh [OUT | --cpu-smoke [OUT] | --fetch-wheels]" >&2; exit 2 ;;
 esac
+mkdir -p "$OUT"
+rm -f "$OUT/latency.jsonl" "$OUT/latency_modelled.jsonl"
+data=$(data_dir) || exit 1
+rows="ideal quant-int4 h2o infinigen-b0.05 infinigen-b0.05-zero-copy offload"  # offload, the slowest, last: a
+# timeout costs the least there
+
+if [ "$mode" = --cpu-smoke ]; then
+  shape="--set model.random_init=true model.dtype=float16 task.warmup=1"
+  step "calibrate (dry run of --device cuda at toy sizes)" 120 \
+    "$PY" -m experiments.calibrate --smoke --model tiny-opt --out "$OUT/smoke_profile.yaml"
+  step "latency: tiny-opt float16, batch 2, 64 + 6" 180 "$PY" -m experiments.latency --device cpu --data-dir "$data" \
+    --model tiny-opt --batch 2 --prompt 64 --gen 6 $shape --rows $rows --out "$OUT/latency.jsonl"
+  [ -f "$OUT/latency.jsonl" ] && step "modelled beside measured (an H200's profile: the code path, not a comparison)" \
+    120 "$PY" -m experiments.validate_gpu --rows "$OUT/latency.jsonl" --profile conf/hardware/h200_pcie5_measured.yaml \
+    --census live --out "$OUT/latency_modelled.jsonl"
+  echo "== [$(($(date +%s) - T0)) s] done (status $status): $OUT"
+  exit $status
+fi
 
 if compgen -G ".gpu_check/wheels/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu_check_site .gpu_check/wheels/*.whl
   export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import torch, transformers, hydra, omegaconf
+step "environment" 60 "$PY" -c "import os, torch, transformers, hydra, omegaconf
 assert torch.cuda.is_available(), 'no CUDA device visible'
-print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name())"
-timeout 60 "$PY" -c "import torch, time
-x = torch.empty(2**30, dtype=torch.uint8, pin_memory=True); y = torch.empty_like(x, device='cuda')
-y.copy_(x, non_blocking=True); torch.cuda.synchronize(); t = time.perf_counter()
-for _ in range(5): y.copy_(x, non_blocking=True)
-torch.cuda.synchronize(); print(f'pinned host->device: {5 * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s')" || true
-data=$(data_dir)
-status=0
-rows="ideal infinigen h2o quant-int4 offload"  # offload, the slowest, last: a timeout costs the least there
-shape="--set model.random_init=true model.dtype=float16"
-timeout 240 "$PY" -m experiments.latency --device cuda --data-dir "$data" --model opt-13b --batch 8 \
-  --prompt 1920 --gen 128 $shape --rows $rows || status=$?
-timeout 100 "$PY" -m experiments.latency --device cuda --data-dir "$data" --model smollm2-135m --batch 32 \
-  --prompt 4096 --gen 64 $shape --rows $rows || status=$?
+print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(),
+      '|', os.cpu_count(), 'CPUs, torch intra-op threads', torch.get_num_threads())"
+[ $status -ne 0 ] && { echo "no usable GPU environment: stopping"; exit $status; }
+command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
+command -v lscpu > /dev/null && lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" || true
+
+profile="$OUT/measured_profile.yaml"
+step "calibrate this GPU (~40 s)" 80 "$PY" -m experiments.calibrate --device cuda --model opt-13b --out "$profile"
+step "latency: OPT-13B shape, float16, batch 20, 1920 + 128: $rows" 260 "$PY" -m experiments.latency --device cuda \
+  --data-dir "$data" --model opt-13b --batch 20 --prompt 1920 --gen 128 \
+  --set model.random_init=true model.dtype=float16 task.warmup=4 --rows $rows --out "$OUT/latency.jsonl"
+if [ -f "$OUT/latency.jsonl" ]; then
+  [ -f "$profile" ] || { echo "!! no measured profile: modelling on the interim one"; profile=conf/hardware/h200_pcie5_measured.yaml; }
+  step "modelled ($(basename "$profile")) beside measured" 40 "$PY" -m experiments.validate_gpu \
+    --rows "$OUT/latency.jsonl" --profile "$profile" --census live --out "$OUT/latency_modelled.jsonl"
+  step "modelled on the datasheet profile h200_pcie5, for comparison" 30 "$PY" -m experiments.validate_gpu \
+    --rows "$OUT/latency.jsonl" --profile conf/hardware/h200_pcie5.yaml --census live
+fi
+echo "== [$(($(date +%s) - T0)) s] done (status $status): $OUT ($(ls "$OUT" | tr '\n' ' '))"
+echo "   commit: $profile -> conf/hardware/h200_pcie5_calibrated.yaml; the rows -> docs/gpu/run_DATE/"
 exit $status

@@ -293,6 +293,28 @@ def validate(cfg: DictConfig):
     return module, method
 
 
+@contextmanager
+def weights_available():
+    """Weights that cannot be had (not on disk, no hub to ask) are bad input like any other: the line names
+    model.local_path and model.random_init (ModelUnavailable's message), instead of transformers' tracebacks."""
+    from infinigen.models import ModelUnavailable
+
+    try:
+        yield
+    except ModelUnavailable as err:
+        raise UserError("model.local_path", str(err)) from err
+
+
+def check_weights(cfg: DictConfig) -> None:
+    """The weights a run will load are on disk or can be asked of the hub (a modelled run loads none). Not part of
+    `validate`: a config is valid wherever it runs, the weights are this machine's (a GPU preset validates here)."""
+    from infinigen.models import check_available
+
+    if needs_model(cfg):
+        with weights_available():
+            check_available(cfg.model)
+
+
 def nonfinite(value, path: str = "") -> list[str]:
     """Dotted paths of the NaN/inf numbers in a metrics dict (stderr columns may legitimately be NaN: n = 1)."""
     if isinstance(value, float):
@@ -317,6 +339,7 @@ def run(cfg: DictConfig) -> dict | None:
     if store.has_run(cfg.results_dir, digest) and not cfg.force:
         print(f"[skip] config {digest} already in {cfg.results_dir} (force=true to run it again)")
         return None
+    check_weights(cfg)  # before anything is claimed or loaded; may ask the hub once
     with user_input("results_dir", cfg):
         store.check_writable(cfg.results_dir)
     with store.claim(cfg.results_dir, digest) as claimed:
@@ -443,7 +466,8 @@ def _run_claimed(cfg: DictConfig, module, method, digest: str) -> dict:
     torch.manual_seed(cfg.seed)
     if needs_model(cfg):
         device = adapter.resolve_device(cfg.get("device"))
-        model, tokenizer = adapter.load(cfg.model, device=device)
+        with weights_available():  # e.g. a cached config.json whose weights were never downloaded
+            model, tokenizer = adapter.load(cfg.model, device=device)
         load_s = time.perf_counter() - t0
         results = module.run(model, tokenizer, method, cfg.task, cfg.data_dir, device=device)
     else:  # modelled: computed from the configs alone

@@ -364,13 +364,37 @@ class KVStore(DynamicLayer):
         self.state: dict[str, Any] = {}
         self._room = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: dict[str, torch.Tensor] = {}  # per-entry tensors' preallocated (b, h_kv, room, ...) buffers
 
     def reserve(self, entries: int) -> None:
         self._room = entries
 
+    def _appended(self, name: str, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """old (b, h_kv, n, ...) with new (b, h_kv, t, ...) after it. Written into a buffer reserved for `room`
+        entries while old is still that buffer's prefix (a decode step then allocates nothing and its op count
+        does not grow); concatenated once something replaced it (an eviction's gather)."""
+        n = 0 if old is None else old.shape[2]
+        t = new.shape[2]
+        buf = self._rows.get(name)
+        chained = old is None or (buf is not None and old.data_ptr() == buf.data_ptr() and old.shape[3:] == buf.shape[3:]
+                                  and old.dtype == buf.dtype and old.shape[:2] == buf.shape[:2])
+        if not self._room or n + t > self._room or not chained:
+            self._rows.pop(name, None)
+            return new if old is None else torch.cat([old, new], dim=2)
+        if old is None:
+            buf = new.new_empty(*new.shape[:2], self._room, *new.shape[3:])
+            self._rows[name] = buf
+        buf[:, :, n : n + t] = new
+        return buf[:, :, : n + t]
+
+    def append_entries(self, **new: torch.Tensor) -> None:
+        """Per-entry state (b, h_kv, t, ...) for the t newest entries, after what `entries` holds."""
+        for name, value in new.items():
+            self.entries[name] = self._appended(name, self.entries.get(name), value)
+
     def append_positions(self, b: int, hk: int, t: int, device) -> None:
         pos = torch.arange(self.seen, self.seen + t, device=device).expand(b, hk, t)
-        self.positions = pos if self.positions is None else torch.cat([self.positions, pos], dim=-1)
+        self.positions = self._appended(" positions", self.positions, pos)
         self.seen += t
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -413,6 +437,7 @@ class KVStore(DynamicLayer):
         """Keep only the entries at `index` (b, h_kv, n) along the sequence axis (per head); per-entry method
         state in `entries` ((b, h_kv, s, ...) tensors) is gathered alongside."""
         self._buffers = None
+        self._rows.clear()
         if self.keys is not None:
             self.keys = _gather_seq(self.keys, index)
             self.values = _gather_seq(self.values, index)

@@ -134,22 +134,55 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return grouped_matmul(q.view(b, hk, h // hk, t, d), k) * scale
 
 
+def score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a method's decisions (which entries to keep, evict, fetch) are computed in: at least float32.
+    Half-precision scores carry 11 (fp16) or 8 (bf16) significant bits: entries a few per mille apart round to
+    one value, so which of them is kept would depend on a kernel's rounding (sim mode's chunked product vs a
+    decode step's single row) instead of on the model; float32 and float64 are kept as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """x in `score_dtype` (the same tensor when it already is: float32 and float64 compute exactly as before)."""
+    return x.to(score_dtype(x.dtype))
+
+
+def selection_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """`logits` for ranking entries, in `score_dtype`: (b, h_kv, g, t, s). Attention itself stays in the model's
+    dtype (as transformers' eager math); only what a method decides from is widened."""
+    return logits(widen(q), widen(k), scale)
+
+
+def keep_mask(idx: torch.Tensor, valid: torch.Tensor, past: int) -> torch.Tensor:
+    """(..., k) selected entries -> (..., past) bool: a column past collects the unkept ones, so duplicates
+    among them never race a kept entry's write."""
+    keep = torch.zeros(*idx.shape[:-1], past + 1, dtype=torch.bool, device=idx.device)
+    return keep.scatter_(-1, torch.where(valid, idx, past), True)[..., :past]
+
+
 class KVStats:
     """Per-layer running means of named per-row quantities (kv_fraction, recall, selected, ...). `add` keeps each
     batch's sum as a tensor and reads them only when asked, so recording never waits for the device."""
+
+    PENDING = 4096  # recordings kept unread at most (each holds its tensor): memory stays bounded over long runs
 
     def __init__(self):
         self._sums: dict = defaultdict(lambda: defaultdict(float))
         self._counts: dict = defaultdict(lambda: defaultdict(int))
         self._pending: list = []
 
-    def add(self, layer: int, name: str, values: torch.Tensor) -> None:
-        self._pending.append((layer, name, values.detach().double().sum(), values.numel()))
+    def add(self, layer: int, name: str, values: torch.Tensor, offset: float = 0.0, scale: float = 1.0) -> None:
+        """Records (values + offset) * scale per element. Dispatches nothing: a decode step on a GPU launches no
+        kernel and waits for none to record (the tensor is summed when a mean is read, or after PENDING)."""
+        self._pending.append((layer, name, values, offset, scale))
+        if len(self._pending) >= self.PENDING:
+            self._settle()
 
     def _settle(self) -> None:
-        for layer, name, total, count in self._pending:
-            self._sums[name][layer] += float(total)
-            self._counts[name][layer] += count
+        for layer, name, values, offset, scale in self._pending:
+            n = values.numel()
+            self._sums[name][layer] += (float(values.detach().double().sum()) + offset * n) * scale
+            self._counts[name][layer] += n
         self._pending.clear()
 
     @property
@@ -406,6 +439,21 @@ class GatheringMethod(KVMethod):
         the layer (speculation_point != "query"): then only what `session` captured so far may be used."""
         raise NotImplementedError
 
+    def select_indices(self, session: Session, layer: AttentionLayer, q, store: KVStore, past: int,
+                       position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select` as the offloading runtime gathers it: (index (b, h_kv, k) long, valid (b, h_kv, k) bool), the
+        selected entries first in position order, then entries that are not fetched; k =
+        `selection_width(...)`, known on the host, so nothing here waits for the device. The default sorts
+        `select`'s mask; a method that ranks with top-k returns its indices directly."""
+        keep = self.select(session, layer, q, store, past, position)
+        k = self.selection_width(session, past, position)
+        index = torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., :k]  # kept first
+        return index, torch.arange(k, device=keep.device) < keep.sum(-1, keepdim=True)
+
+    def selection_width(self, session: Session, past: int, position: int) -> int:
+        """A host bound on how many of the `past` entries the row at `position` selects (per row and KV head)."""
+        return min(past, self.max_selected(session.max_len))
+
     def max_selected(self, max_len: int) -> int:
         """Most past entries one row and KV head selects in a sequence of max_len tokens (sizes landing buffers)."""
         return max_len
@@ -431,7 +479,7 @@ class GatheringMethod(KVMethod):
         self.before_step(session, layer, store)
         keys, values, mask = store.selected(keep)
         out, _ = attend(q, keys, values, mask, layer.logit_scale)
-        self.stats.add(layer.index, "kv_fraction", (keep.sum(-1) + 1).double() / store.seen)
+        self.stats.add(layer.index, "kv_fraction", keep.sum(-1), offset=1, scale=1 / store.seen)
         self.after_step(session, layer, q, store, keep)
         return out
 

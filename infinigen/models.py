@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from functools import lru_cache
 from pathlib import Path
 
 # model_type -> family. "llama" = RoPE + (optionally) GQA with q/k/v/o_proj; "opt" = learned positions, biases,
@@ -21,8 +22,14 @@ ARCH_NUMBERS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "rope_theta")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
 
 
+HUB_PROBE_S = 3.0  # one connection to the hub, no retries: is it there at all (transformers retries for ~25 s)
+# what every refusal of missing weights ends with: the options that get a run going without them
+WITHOUT_WEIGHTS = ("set model.local_path=/path/to/checkpoint (a folder with a config.json, or a .gguf file), or "
+                   "model.random_init=true (its architecture with random weights: shapes, memory and latency only)")
+
+
 class ModelUnavailable(RuntimeError):
-    pass
+    """The weights a model cfg names cannot be had here: bad input (run.py refuses it as model.local_path)."""
 
 
 def check_supported(model_type: str) -> str:
@@ -47,14 +54,79 @@ def smollm2_dir() -> Path:
 
 def source(cfg) -> tuple[str, dict]:
     """Where to load weights/config from: (path or hub id, extra from_pretrained kwargs). A local_path wins over
-    everything else: a checkpoint folder, or a .gguf file."""
+    everything else: a checkpoint folder, or a .gguf file. A hub id is read from the local Hugging Face cache only
+    (local_files_only) when the hub cannot be asked (offline, or unreachable): no connection is retried."""
     local = cfg.get("local_path")
     if local:
         local = Path(local).expanduser()
         return (str(local.parent), {"gguf_file": local.name}) if local.suffix == ".gguf" else (str(local), {})
     if cfg.get("gguf_package"):
         return str(smollm2_dir()), {"gguf_file": SMOLLM2_GGUF}
-    return cfg.hf_id, {}
+    return cfg.hf_id, ({} if hub_answer() is None else {"local_files_only": True})
+
+
+def hub_cache() -> str:
+    """The local Hugging Face hub cache (HF_HUB_CACHE / HF_HOME, as huggingface_hub resolves them)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def hub_cached(hf_id: str) -> bool:
+    """Whether a hub model's config.json is in the local cache (read from disk: no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(hf_id, "config.json", cache_dir=hub_cache()), str)
+    except ValueError:  # not a hub id at all (a path that is no folder): nothing of it can be cached
+        return False
+
+
+def hub_answer() -> str | None:
+    """Why the hub cannot be asked for weights (offline mode, or no answer to one connection), None if it can."""
+    from huggingface_hub import constants, is_offline_mode
+
+    if is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    return hub_unreachable(constants.ENDPOINT)
+
+
+@lru_cache(maxsize=None)
+def hub_unreachable(endpoint: str) -> str | None:
+    """One HEAD request to the hub, HUB_PROBE_S at most and no retries: None if anything answered (an HTTP
+    error is an answer), else why not. Once per process."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as err:
+        return f"{endpoint} does not answer ({getattr(err, 'reason', err)})"
+    return None
+
+
+def check_available(cfg) -> None:
+    """Refuse (ModelUnavailable) a model cfg whose weights cannot be had, before anything loads: the bundled GGUF's
+    package must be installed; a hub id must be in the local cache unless the hub can be asked. Random weights
+    and a local_path (checked by validate_model) need nothing."""
+    if cfg.get("random_init") or cfg.get("local_path"):
+        return
+    if cfg.get("gguf_package"):
+        try:
+            smollm2_dir()
+        except ModelUnavailable as err:
+            raise ModelUnavailable(f"{err}; or {WITHOUT_WEIGHTS}") from err
+        return
+    hf_id = cfg.hf_id
+    if Path(hf_id).expanduser().is_dir() or hub_cached(hf_id):  # a folder given as hf_id loads like local_path
+        return
+    why = hub_answer()
+    if why is not None:
+        raise ModelUnavailable(f"weights for model {cfg.name!r} (hub id {hf_id}) are not in the local Hugging Face "
+                               f"cache ({hub_cache()}) and the hub cannot be asked ({why}): download them first "
+                               f"(hf download {hf_id}), {WITHOUT_WEIGHTS}")
 
 
 def local_config(cfg) -> dict | None:

@@ -257,17 +257,30 @@ def test_latency_task_validation(bad):
         latency.validate(latency_task(**bad), DATA_DIR)
 
 
-@pytest.mark.slow  # two interpreter starts (torch, transformers, hydra) + five runs each: ~20-60 s
-def test_gpu_check_cpu_smoke():
-    """experiments/gpu_check.sh --cpu-smoke: the GPU script's code path at tiny shapes on CPU."""
+@pytest.mark.slow  # three interpreter starts (torch, transformers, hydra): ~20-30 s
+def test_gpu_check_cpu_smoke(tmp_path):
+    """experiments/gpu_check.sh --cpu-smoke: the GPU script's steps at tiny-opt's shape (float16) on CPU: the
+    calibration's dry run, the five latency rows, each modelled beside what it measured."""
+    import json
+
+    import yaml
+
+    from infinigen.offload import perf
+
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": DATA_DIR, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(["bash", "experiments/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env,
+    out = subprocess.run(["bash", "experiments/gpu_check.sh", "--cpu-smoke", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for row, kind in (("ideal", "resident"), ("offload", "held"), ("quant-int4", "held"), ("h2o", "held"),
-                      ("infinigen", "gather")):
-        assert sum(line.split()[:2] == [row, kind] for line in lines) == 2, out.stdout
+                      ("infinigen-b0.05", "gather")):
+        assert sum(line.split()[:2] == [row, kind] for line in lines) == 1, out.stdout
+    perf.hardware(yaml.safe_load((tmp_path / "smoke_profile.yaml").read_text()))  # calibrate's dry run: valid
+    modelled = [json.loads(line) for line in (tmp_path / "latency_modelled.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in modelled] == ["ideal", "quant-int4", "h2o", "infinigen-b0.05",
+                                            "infinigen-b0.05-zero-copy", "offload"]
+    assert all(r["modelled_perf_ms_per_token"] > 0 and r["decode_ms_median"] > 0 for r in modelled)
+    assert "rows within +-25%" in out.stdout
 
 
 @pytest.mark.slow

@@ -27,7 +27,9 @@ LAZY = {"experiments.runner", "experiments.ppl", "experiments.latency", "experim
         "experiments.needle", "infinigen.adapter",
         # commands that set their process up first (glibc's allocator is read at start: they re-execute
         # themselves before the stack is imported; bench_memory measures what the import itself costs)
-        "experiments.calibrate", "experiments.validate_perf", "experiments.bench_memory"}
+        "experiments.calibrate", "experiments.validate_perf", "experiments.bench_memory",
+        # replays a census of another checkout's runtime (--census-from): the model imported once that is set up
+        "experiments.validate_gpu"}
 
 
 def module_name(path) -> str:

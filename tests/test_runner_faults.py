@@ -160,6 +160,62 @@ def test_a_refused_sweep_point_does_not_stop_the_others_and_is_summed_up(tmp_pat
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def hub_cache_with(root: Path, hf_id: str) -> None:
+    """A Hugging Face hub cache under `root` holding `hf_id`'s config.json, laid out as huggingface_hub does."""
+    repo, commit = root / f"models--{hf_id.replace('/', '--')}", "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+
+
+def test_weights_that_cannot_be_had_are_one_line_and_exit_2_from_run_py(tmp_path):
+    """A hub model that is not on disk, offline: refused like bad input, naming what gets a run going without
+    it, in seconds (not transformers' hub retries and three tracebacks)."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    t0 = time.perf_counter()
+    done = run_py("model=opt-13b", "method=infinigen", f"results_dir={tmp_path / 'results'}", env=env)
+    seconds = time.perf_counter() - t0
+    assert (done.returncode, done.stderr.splitlines()) == (2, [done.stderr.strip()]), done.stderr[-2000:]
+    assert done.stderr.startswith("error: model.local_path: weights for model 'opt-13b' (hub id facebook/opt-13b) "
+                                  "are not in the local Hugging Face cache")
+    assert "model.random_init=true" in done.stderr and "HF_HUB_OFFLINE is set" in done.stderr
+    assert seconds < 15, f"refusal took {seconds:.1f} s"
+    assert not list(store.rows_dir(tmp_path / "results").glob("*.jsonl"))
+
+
+def test_hub_weights_are_looked_up_on_disk_before_the_hub_is_asked(tmp_path, monkeypatch, no_model_load):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = cfg_of(["model=opt-13b"], tmp_path / "results")
+    with pytest.raises(runner.UserError, match="HF_HUB_OFFLINE is set") as err:  # offline (conftest), not on disk
+        runner.run(cfg)
+    assert err.value.option == "model.local_path" and "model.random_init=true" in err.value.message
+    # online, but nothing answers the one connection made: the same refusal, with why
+    monkeypatch.setattr("huggingface_hub.is_offline_mode", lambda: False)
+    monkeypatch.setattr(models, "hub_unreachable", lambda endpoint: f"{endpoint} does not answer (a test)")
+    with pytest.raises(runner.UserError, match=r"the hub cannot be asked \(https://\S+ does not answer \(a test\)\)"):
+        runner.run(cfg)
+    # on disk: accepted, and read from there alone (nothing for transformers to retry)
+    hub_cache_with(tmp_path / "hub", "facebook/opt-13b")
+    models.check_available(cfg.model)
+    assert models.source(cfg.model) == ("facebook/opt-13b", {"local_files_only": True})
+    monkeypatch.setattr(models, "hub_unreachable", lambda endpoint: None)  # a hub that answers is asked
+    assert models.source(cfg.model) == ("facebook/opt-13b", {})
+
+
+def test_a_run_that_loads_no_weights_needs_none(tmp_path, no_model_load):
+    """random_init builds the architecture, and a modelled latency run reads only the config: neither is refused
+    for weights that are not on disk (offline here)."""
+    runner.check_weights(cfg_of(["model=opt-13b", "model.random_init=true"], tmp_path))
+    runner.check_weights(cfg_of(["model=opt-13b", "task=latency", "task.timing=modelled", "hardware=a6000_pcie3"],
+                                tmp_path))
+
+
 # ----------------------------------------------------------------------------------------------- non-finite
 
 

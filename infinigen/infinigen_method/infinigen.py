@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
-from infinigen.adapter import Session, encode, tokenizer_of
+from infinigen.adapter import AttentionLayer, Session, encode, tokenizer_of
+from infinigen.contract import score_dtype
 from infinigen.infinigen_method.selective_attention import SelectiveAttention
 from infinigen.infinigen_method.skew import Skew, calibrate
 
@@ -78,6 +80,9 @@ class InfiniGen(SelectiveAttention):
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
         self.skewing: Skew | None = None
         self._random_calibration = False  # stand_in(): calibrate on random ids
+        self._projections: list[torch.Tensor] = []  # per layer (h_kv, d, r): skew and column choice in one matrix
+        self._repeated: dict = {}  # (layer, batch) -> the projection repeated per batch row
+        self._partial_q: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []  # per layer (weight, bias)
 
     def check_data(self) -> None:
         check_dataset(self.calibration, self.calib_data_dir)
@@ -108,6 +113,9 @@ class InfiniGen(SelectiveAttention):
             model, lambda: self._calibration_ids(model), skew=self.skew, partial_ratio=self.partial_ratio,
             partial_select=self.partial_select, cache_dir=self.cache_dir, settings=settings,
         )
+        self._projections = [partial_projection(self.skewing, i, layer.head_dim) for i, layer in enumerate(session.layers)]
+        self._repeated = {}
+        self._partial_q = [partial_query_weight(layer, p) for layer, p in zip(session.layers, self._projections)]
 
     def _calibration_ids(self, model) -> torch.Tensor:
         limit = min(self.calib_tokens, getattr(model.config, "max_position_embeddings", self.calib_tokens))
@@ -136,12 +144,32 @@ class InfiniGen(SelectiveAttention):
         return session.attn_inputs[i]
 
     def speculation_queries(self, session: Session, layer: AttentionLayer) -> torch.Tensor:
-        """Layer i's speculated partial query from what the session captured: (b, h_kv, g, t, d), skewed, unkept
-        columns zero. The same skew and columns as the partial key cache (calibrated on the true queries)."""
+        """Layer i's speculated partial query from what the session captured: (b, h_kv, g, t, r) in the score dtype,
+        skewed, only the partial columns (unkept ones of a head keeping fewer are zero). The same skew and columns
+        as the partial key cache (calibrated on the true queries)."""
         x = self.speculation_input(session, layer)  # (b, t, hidden)
+        b, t, _ = x.shape
+        hk, g = layer.num_kv_heads, layer.groups
+        partial = self._partial_q[layer.index]
+        if partial is not None:  # no rotary embedding: the partial columns are rows of W_q, projected alone
+            weight, bias = partial
+            y = F.linear(x, weight, bias) * layer.query_scale  # (b, t, h * r)
+            return y.view(b, t, hk, g, -1).permute(0, 2, 3, 1, 4).to(score_dtype(y.dtype))  # (b, hk, g, t, r)
+        # RoPE sits between the projection and the skew, mixing each column with its pair: the whole query first
         spec = layer.queries(x, session.position_embeddings)  # (b, h, t, d): rotated at the current positions
-        b, h, t, d = spec.shape
-        return self.skewing.compact(spec.view(b, layer.num_kv_heads, layer.groups, t, d), layer.index)
+        return self.project(spec.view(b, hk, g, t, layer.head_dim), layer.index)
+
+    def project(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x (b, h_kv, ..., d) as attention sees it -> its skewed partial columns (b, h_kv, ..., r), score dtype.
+        One batched product over (b * h_kv) with the projection repeated per batch row (kept per batch size): a
+        decode step's ops do not depend on the batch (einsum, or matmul broadcasting the projection over b, copy
+        it when b > 1)."""
+        b, hk, d = x.shape[0], x.shape[1], x.shape[-1]
+        key = (layer, b)
+        if key not in self._repeated:
+            self._repeated[key] = self._projections[layer].repeat(b, 1, 1)  # (b * h_kv, d, r)
+        p = self._repeated[key]
+        return torch.bmm(x.to(p.dtype).reshape(b * hk, -1, d), p).view(*x.shape[:-1], p.shape[-1])
 
     def score_queries(self, session, layer, q):
         """`q` (the true query) is deliberately unused: even speculate_from=current recomputes it from the
@@ -149,7 +177,7 @@ class InfiniGen(SelectiveAttention):
         return self.speculation_queries(session, layer)
 
     def score_keys(self, layer, k):
-        return self.skewing.compact(k, layer.index)  # (b, h_kv, s, r): the partial key cache
+        return self.project(k, layer.index)  # (b, h_kv, s, r): the partial key cache
 
     def score_channels(self, layer) -> float:
         """The partial key cache's columns (calibrated; before calibration, partial_ratio of head_dim)."""
@@ -158,11 +186,40 @@ class InfiniGen(SelectiveAttention):
         return max(1, round(self.partial_ratio * layer.head_dim))
 
     def selection_flops(self, layer, past):
-        """Scoring the partial key cache, plus the speculated query itself: layer i's query weight applied to
-        the speculation input and each query head's skew rotation (d x d)."""
-        q_weight = layer.hidden_size * layer.num_heads * layer.head_dim
-        return super().selection_flops(layer, past) + 2.0 * (q_weight + layer.num_heads * layer.head_dim ** 2)
+        """Scoring the partial key cache, plus the speculated query itself: without rotary embeddings (OPT) the
+        partial query weight (r of d columns per head); with them the whole query weight, then each query head's
+        skewed partial columns (d x r)."""
+        r = self.score_channels(layer)
+        rope = getattr(layer, "family", "llama") != "opt"
+        q_weight = layer.hidden_size * layer.num_heads * (layer.head_dim if rope else r)
+        return super().selection_flops(layer, past) + 2.0 * (q_weight + rope * layer.num_heads * layer.head_dim * r)
 
     def partial_columns(self) -> list[int]:
         """Columns kept per KV head, per layer (for byte accounting)."""
         return [int(c.sum(-1).max()) for c in self.skewing.columns]
+
+
+def partial_projection(skewing: Skew, layer: int, head_dim: int) -> torch.Tensor:
+    """(h_kv, d, r) in the score dtype: x @ it = the skewed x's kept columns (zero where a head keeps fewer). The
+    rotation, where it is not folded into the weights, is applied in float32 at least, whatever the model's dtype."""
+    rotation, kept, cols = skewing.rotations[layer], skewing.kept[layer], skewing.columns[layer]  # (hk, d, d), (hk, r)
+    dtype = score_dtype(cols.dtype)
+    hk = kept.shape[0]
+    basis = torch.eye(head_dim, dtype=dtype, device=cols.device).expand(hk, -1, -1) if rotation is None else rotation
+    chosen = basis.to(dtype).gather(-1, kept[:, None, :].expand(hk, head_dim, -1))  # (hk, d, r)
+    return chosen * cols.to(dtype).gather(-1, kept)[:, None, :]
+
+
+def partial_query_weight(layer: AttentionLayer, projection: torch.Tensor):
+    """(weight (h * r, hidden), bias (h * r,) or None): the query weight's rows that make the partial columns of a
+    layer without rotary embeddings, so the speculated query costs r/d of the projection. None with RoPE."""
+    if layer.family != "opt":
+        return None
+    h, d = layer.num_heads, layer.head_dim
+    proj = projection.repeat_interleave(layer.groups, dim=0)  # (h, d, r): each query head its KV head's columns
+    w = layer.q_proj.weight.view(h, d, -1)
+    weight = torch.einsum("hdr,hdi->hri", proj.to(w.dtype), w).reshape(-1, w.shape[-1])
+    bias = layer.q_proj.bias
+    if bias is not None:
+        bias = torch.einsum("hdr,hd->hr", proj.to(bias.dtype), bias.view(h, d)).reshape(-1)
+    return weight, bias

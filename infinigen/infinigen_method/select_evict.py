@@ -14,7 +14,6 @@ import torch
 GQA_REDUCE = ("prob_sum", "logit_max", "logit_mean")
 EVICTION = ("counter", "lru", "fifo")
 NEG = float("-inf")
-MIN = torch.finfo(torch.float32).min  # masked logits: finite, so rows without candidates stay NaN-free
 
 
 def budget_cap(budget: float, past: torch.Tensor, max_num_kv: int | None = None) -> torch.Tensor:
@@ -26,40 +25,61 @@ def budget_cap(budget: float, past: torch.Tensor, max_num_kv: int | None = None)
     return cap
 
 
-def select(
+def cap_of(budget: float, past: int, max_num_kv: int | None = None) -> int:
+    """`budget_cap` of one row, on the host: the same IEEE double arithmetic, so the two never disagree. What a
+    row may fetch is known before its scores are: it sizes top-k statically (no host sync on a device value)."""
+    cap = math.ceil(past * budget - 1e-9)
+    return cap if max_num_kv is None else min(cap, max_num_kv)
+
+
+def rank(
     scores: torch.Tensor,
-    candidates: torch.Tensor,
+    candidates: torch.Tensor | None,
     past: torch.Tensor,
     alpha: float,
     budget: float,
     gqa_reduce: str,
     max_num_kv: int | None = None,
+    first: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r).
+    """How each row ranks its candidates, and how many it fetches: agg (b, hk, r, L) float (-inf: not a
+    candidate), n (b, r).
 
     scores (b, hk, g, r, L) speculated (or true) logits, consumed (overwritten) here; candidates
-    (b|1, hk|1, r, L) bool; past (r,) the sequence length before each row (the budget is a fraction of it).
+    (b|1, hk|1, r, L) bool (None: all of them, for one row); past (r,) the sequence length before each row (the budget
+    is a fraction of it), an int with candidates=None;
+    first: how many leading columns are candidates of every row, when the caller knows it (None: computed here,
+    which reads a device value on the host).
 
     Count (InfiniGen's dynamic fetch): per query head the candidates scoring above (max - alpha), averaged
     over all heads of the layer and floored, capped by the budget and by what the pool holds.
     Rank per KV head (GQA) by `gqa_reduce` over its g query heads: prob_sum = the sum of their softmax
     probabilities (the attention mass the entry would get across the heads); logit_max / logit_mean.
     """
-    b, hk = scores.shape[:2]
-    # leading columns every row may fetch (a causal chunk's past) need no masking: only the rest is touched
-    first = complete_columns(candidates)
-    candidates = candidates.expand(b, hk, *candidates.shape[2:])
-    tail = ~candidates[..., first:]  # (b, hk, r, L - first)
+    b, hk, L = scores.shape[0], scores.shape[1], scores.shape[-1]
     masked = scores
-    masked[..., first:].masked_fill_(tail.unsqueeze(2), MIN)  # (b, hk, g, r, L)
-    top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
-    held = first + (~tail).sum(-1, dtype=torch.int32).long()  # (b, hk, r)
-    if math.isinf(alpha):
-        n = held.amin(1)
+    if candidates is None:  # every entry of one decode row (past: its position, an int): nothing to mask
+        tail = held = None
     else:
-        count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries (MIN) never count
-        n = torch.floor(count.double().mean(dim=(1, 2)) + 1e-9).long()
-    n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
+        # leading columns every row may fetch (a causal chunk's past) need no masking: only the rest is touched
+        first = complete_columns(candidates) if first is None else first
+        candidates = candidates.expand(b, hk, *candidates.shape[2:])
+        tail = ~candidates[..., first:]  # (b, hk, r, L - first)
+        # finite, so a row without candidates stays NaN-free; the scores' own dtype's (float32 in a half model)
+        masked[..., first:].masked_fill_(tail.unsqueeze(2), torch.finfo(masked.dtype).min)  # (b, hk, g, r, L)
+        held = first + (~tail).sum(-1, dtype=torch.int32).long()  # (b, hk, r)
+    top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
+    if math.isinf(alpha):
+        n = None
+    else:
+        count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries never count
+        n = count.sum(dim=(1, 2)) // (hk * scores.shape[2])  # the floor of the mean over heads, in integers
+    if isinstance(past, int):  # one row, every entry a candidate: the caps are host numbers
+        limit = min(cap_of(budget, past, max_num_kv), L)
+        n = torch.full((b, 1), limit, device=scores.device) if n is None else n.clamp(max=limit)
+    else:
+        n = held.amin(1) if n is None else n
+        n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
     if gqa_reduce == "prob_sum":
         agg = torch.softmax(masked, dim=-1).sum(2)
     elif gqa_reduce == "logit_max":
@@ -68,9 +88,18 @@ def select(
         agg = masked.mean(2)
     else:
         raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {gqa_reduce!r}")
-    agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
+    if tail is not None:
+        agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
     # n never exceeds a head's candidates, which all outrank the -inf of the others: the top n are candidates
-    return top_n(agg, n), n
+    return agg, n
+
+
+def select(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv=None, width: int | None = None,
+           first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r). See `rank`; width:
+    a host bound on n (None: n.max(), read on the host)."""
+    agg, n = rank(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv, first)
+    return top_n(agg, n, width), n
 
 
 def complete_columns(candidates: torch.Tensor) -> int:
@@ -79,15 +108,23 @@ def complete_columns(candidates: torch.Tensor) -> int:
     return candidates.shape[-1] if bool(complete.all()) else int((~complete).int().argmax())
 
 
-def top_n(agg: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Keep mask of the n(b, r) highest-scoring entries per (b, hk, r) row of agg (b, hk, r, L)."""
+def top_k(agg: torch.Tensor, n: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` best entries of each (b, hk, r) row of agg (b, hk, r, L), best first, and which of them are
+    kept (rank < n (b, r)): static shapes, whatever n holds."""
+    width = min(width, agg.shape[-1])
+    idx = agg.topk(width, dim=-1).indices  # (b, hk, r, width)
+    return idx, (torch.arange(width, device=agg.device) < n[:, None, :, None]).expand_as(idx)
+
+
+def top_n(agg: torch.Tensor, n: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Keep mask of the n(b, r) highest-scoring entries per (b, hk, r) row of agg (b, hk, r, L); width >= n.max()
+    (None: n.max(), read on the host)."""
     keep = torch.zeros_like(agg, dtype=torch.bool)
-    k = int(n.max()) if n.numel() else 0
+    k = (int(n.max()) if n.numel() else 0) if width is None else width
     if k == 0:
         return keep
-    idx = agg.topk(k, dim=-1).indices  # (b, hk, r, k)
-    ranks = torch.arange(k, device=agg.device)
-    return keep.scatter_(-1, idx, (ranks < n[:, None, :, None]).expand_as(idx))
+    idx, valid = top_k(agg, n, k)
+    return keep.scatter_(-1, idx, valid)
 
 
 def _oldest_of_least(primary: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:

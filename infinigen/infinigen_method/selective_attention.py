@@ -14,8 +14,12 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.contract import GatheringMethod, attend, attend_fused, grouped_matmul, logits, row_chunks
-from infinigen.infinigen_method.select_evict import EVICTION, GQA_REDUCE, budget_cap, pool_limit, select, victim
+from infinigen.contract import (
+    GatheringMethod, attend, attend_fused, grouped_matmul, keep_mask, row_chunks, score_dtype, selection_logits,
+)
+from infinigen.infinigen_method.select_evict import (
+    EVICTION, GQA_REDUCE, cap_of, pool_limit, rank, select, top_k, victim,
+)
 
 
 @dataclass
@@ -63,11 +67,9 @@ class SelectiveAttention(GatheringMethod):
         fresh = store.stored - (store.entries["count"].shape[2] if "count" in store.entries else 0)
         if fresh:
             tail = store.positions[:, :, -fresh:]
-            new = {"score_keys": self.score_keys(layer, store.recent_keys(fresh)), "count": torch.zeros_like(tail),
-                   "last": tail.clone()}
-            for name, value in new.items():
-                old = store.entries.get(name)
-                store.entries[name] = value if old is None else torch.cat([old, value], dim=2)
+            keys = self.score_keys(layer, store.recent_keys(fresh))
+            store.append_entries(score_keys=keys.to(score_dtype(keys.dtype)), count=torch.zeros_like(tail),
+                                 last=tail.clone())
 
     def dense_layer(self, layer: AttentionLayer) -> bool:
         return layer.index < self.skip_layers
@@ -82,7 +84,11 @@ class SelectiveAttention(GatheringMethod):
         return max_len if self.capacity == 1 else min(max_len, pool_limit(self.capacity, max_len) + 1)
 
     def max_selected(self, max_len: int) -> int:
-        return max(1, min(self.max_held(max_len), int(budget_cap(self.budget, torch.tensor([max_len]), self.max_num_kv)[0])))
+        return max(1, min(self.max_held(max_len), cap_of(self.budget, max_len, self.max_num_kv)))
+
+    def selection_width(self, session, past: int, position: int) -> int:
+        """At most what the row at `position` may fetch (its budget cap) or what is held before it."""
+        return min(past, max(cap_of(self.budget, position, self.max_num_kv), 0))
 
     # ------------------------------------------------------------------ sim mode
     def forward_attention(self, session, layer, q, k, v, allowed):
@@ -92,6 +98,7 @@ class SelectiveAttention(GatheringMethod):
         assert s == t, "sim mode runs a whole sequence in one forward"
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # (b, hk, g, t, d), scaled once
         ks = self.score_keys(layer, k)  # (b, hk, s, d)
+        qs, ks = (x.to(score_dtype(x.dtype)) for x in (qs, ks))
         limit = self.pool_size(session)
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
         # recall's denominator without a pool: each row's log-sum-exp over its whole causal prefix, one fused call
@@ -112,7 +119,11 @@ class SelectiveAttention(GatheringMethod):
         candidates = allowed & ~diag
         scores = grouped_matmul(qs[:, :, :, r0:r1], ks[:, :, :r1])  # (b, hk, g, r, s)
         if pool is None:
-            keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
+            # a plain causal chunk's rows all see its first r0 columns; the widest cap is the last row's
+            first = r0 if session.plain_causal else None
+            width = min(r1, cap_of(self.budget, r1 - 1, self.max_num_kv))
+            keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv,
+                             width=width, first=first)
             held = candidates
         else:
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
@@ -160,7 +171,7 @@ class SelectiveAttention(GatheringMethod):
                 continue
             cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
             ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], rows[i : i + 1], self.alpha, self.budget,
-                            self.gqa_reduce, self.max_num_kv)
+                            self.gqa_reduce, self.max_num_kv, width=min(s, cap_of(self.budget, row, self.max_num_kv)))
             keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
             pool["counts"][..., :s] += ki[:, :, 0]
             pool["last"][..., :s].masked_fill_(ki[:, :, 0], row)
@@ -175,8 +186,8 @@ class SelectiveAttention(GatheringMethod):
 
     def _record_recall(self, layer, q, k, held, keep) -> None:
         """Share of the true attention mass (over what the pool holds) that the fetched entries carry."""
-        true = logits(q, k, layer.logit_scale).masked_fill(~held.unsqueeze(2), float("-inf"))
-        probs = torch.softmax(true, dim=-1)  # (b, hk, g, r, s)
+        true = selection_logits(q, k, layer.logit_scale).masked_fill(~held.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(true, dim=-1)  # (b, hk, g, r, s), in float32 at least
         self.stats.add(layer.index, "recall", (probs * keep.unsqueeze(2)).sum(-1))
 
     # ------------------------------------------------------------------ decode mode
@@ -188,22 +199,30 @@ class SelectiveAttention(GatheringMethod):
         if limit is not None and store.stored > limit:
             self._evict_store(store, store.stored - limit)
 
-    def select(self, session, layer, q, store, past, position):
-        keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, d)
+    def _rank_step(self, session, layer, q, store, past, position):
+        """One decode row's ranking of the first `past` held entries: agg (b, hk, 1, past), n (b, 1)."""
+        keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, c), in the score dtype
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # as in sim mode: scaled, then dotted
-        scores = grouped_matmul(qs, keys)  # (b, hk, g, 1, past)
-        dev = keys.device
-        cand = torch.ones(1, 1, 1, past, dtype=torch.bool, device=dev)
-        keep, _ = select(scores, cand, torch.tensor([position], device=dev), self.alpha, self.budget, self.gqa_reduce,
-                         self.max_num_kv)
-        return keep[:, :, 0]  # (b, hk, past)
+        scores = grouped_matmul(qs.to(keys.dtype), keys)  # (b, hk, g, 1, past)
+        return rank(scores, None, position, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
+
+    def select(self, session, layer, q, store, past, position):
+        agg, n = self._rank_step(session, layer, q, store, past, position)
+        idx, valid = top_k(agg, n, self.selection_width(session, past, position))
+        return keep_mask(idx[:, :, 0], valid[:, :, 0], past)  # (b, hk, past)
+
+    def select_indices(self, session, layer, q, store, past, position):
+        """The top selection_width entries straight from top-k, best first (no mask over the whole past to sort)."""
+        agg, n = self._rank_step(session, layer, q, store, past, position)
+        idx, valid = top_k(agg, n, self.selection_width(session, past, position))
+        return idx[:, :, 0], valid[:, :, 0]
 
     def before_step(self, session, layer, store):
         self.sync_store(layer, store)
 
     def after_step(self, session, layer, q, store, keep):
         past, position = keep.shape[-1], store.seen - 1
-        self.stats.add(layer.index, "selected", keep.sum(-1)[:, :1].double())
+        self.stats.add(layer.index, "selected", keep[:, :1].sum(-1))
         if self.track_recall and store.keys is not None:  # needs every key: decode mode only
             keys = store.kv()[0]
             mask = torch.cat([keep, keep.new_ones(*keep.shape[:2], 1)], dim=-1)[:, :, None]  # (b, hk, 1, s)

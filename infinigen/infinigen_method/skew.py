@@ -21,22 +21,27 @@ from typing import Callable
 import torch
 
 from infinigen import adapter
-from infinigen.contract import KVMethod
+from infinigen.contract import KVMethod, score_dtype, widen
 from infinigen.modes import sim_hidden
 
 
 @dataclass
 class Skew:
-    rotations: list[torch.Tensor | None]  # per layer (h_kv, d, d) orthogonal A; None = folded or skew off
+    # per layer (h_kv, d, d) orthogonal A in float32 at least (`score_dtype`); None = folded or skew off
+    rotations: list[torch.Tensor | None]
     columns: list[torch.Tensor]  # per layer (h_kv, d) float 0/1: the partial columns kept in skewed space
 
     def partial(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """x (b, h_kv, ..., d) -> skewed, partial columns only (others zeroed); same shape."""
+        """x (b, h_kv, ..., d) -> skewed, partial columns only (others zeroed); same shape, in `score_dtype` (what
+        selection scores are computed in). A half-precision A is no longer orthogonal (skewed scores would drift
+        from q.k by ~1e-3), and a half-precision sum would round sim mode's whole-sequence product and a decode
+        step's single row differently."""
         A, cols = self.rotations[layer], self.columns[layer]
         shape = (1, cols.shape[0]) + (1,) * (x.dim() - 3) + (cols.shape[1],)
+        x = widen(x)
         if A is not None:
             x = torch.einsum("bh...d,hde->bh...e", x, A)
-        return x * cols.view(shape)
+        return x * cols.view(shape).to(x.dtype)
 
     def __post_init__(self):
         # per layer (h_kv, r): each KV head's kept columns first (r = the most any head keeps); a head that keeps
@@ -47,8 +52,8 @@ class Skew:
             self.kept.append(torch.argsort(cols, dim=-1, descending=True, stable=True)[:, :r])
 
     def compact(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """x (b, h_kv, ..., d) -> skewed, only the kept columns: (b, h_kv, ..., r). Dot products between compact
-        vectors equal those between `partial` ones; the partial key cache stays r/d of the keys' size."""
+        """x (b, h_kv, ..., d) -> skewed, only the kept columns: (b, h_kv, ..., r) in `score_dtype`. Dot products
+        between compact vectors equal those between `partial` ones; the partial key cache keeps r of d columns."""
         idx = self.kept[layer]
         shape = (1, idx.shape[0]) + (1,) * (x.dim() - 3) + (idx.shape[1],)
         return self.partial(x, layer).gather(-1, idx.view(shape).expand(*x.shape[:-1], idx.shape[1]))
@@ -86,14 +91,16 @@ def top_columns(magnitude: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def fold_opt(layer: adapter.AttentionLayer, A: torch.Tensor) -> None:
-    """W_q, W_k (and biases) of an OPT layer <- per-head A^T W, so projections come out skewed (MHA: h == h_kv)."""
+    """W_q, W_k (and biases) of an OPT layer <- per-head A^T W, so projections come out skewed (MHA: h == h_kv).
+    Folded in float32 at least and rounded once into the weights' dtype: A rounded to half precision first
+    would no longer be orthogonal, and W_q W_k^T (the attention itself) would change, not only its rounding."""
     d = layer.head_dim
     for proj in (layer.q_proj, layer.k_proj):
         w = proj.weight.data.view(-1, d, proj.weight.shape[1])  # (h, d, in)
-        w.copy_(torch.einsum("hde,hdi->hei", A.to(w.dtype), w))
+        w.copy_(torch.einsum("hde,hdi->hei", A.to(score_dtype(w.dtype)), widen(w)))
         if proj.bias is not None:
             b = proj.bias.data.view(-1, d)
-            b.copy_(torch.einsum("hde,hd->he", A.to(b.dtype), b))
+            b.copy_(torch.einsum("hde,hd->he", A.to(score_dtype(b.dtype)), widen(b)))
 
 
 def _fingerprint(model) -> str:
@@ -133,14 +140,16 @@ def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, parti
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"rotations": rotations, "columns": columns}, path)
-    weight = layers[0].q_proj.weight  # speculation runs in the model's dtype and device (fp16 on GPU, fp64 in tests)
+    # speculation runs on the model's device and in its dtype (fp16 on GPU, fp64 in tests), except the rotations:
+    # float32 at least (`Skew.partial`)
+    weight = layers[0].q_proj.weight
     folded = []
     for layer, A in zip(layers, rotations):
         if skew and layer.family == "opt":
             fold_opt(layer, A)
             folded.append(None)
         else:
-            folded.append(A.to(weight.device, weight.dtype) if skew else None)
+            folded.append(A.to(weight.device, score_dtype(weight.dtype)) if skew else None)
     result = Skew(rotations=folded, columns=[c.to(weight.device, weight.dtype) for c in columns])
     per_model[settings] = result
     return result

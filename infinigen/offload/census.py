@@ -21,6 +21,25 @@ method's steady state; tiny head_dim, FFN and vocabulary, random weights):
            attending) past the context point_seconds timed, where one
            bandwidth would price every op alike (a CPU runs a 4-bit unpack far slower per byte than a copy)
 
+  syncs    host synchronisations on the thread that launches kernels (`SYNC_OPS`: a scalar read of a device
+           tensor, nonzero, a bool-mask index, a blocking device->host copy, ...): where a GPU's host waits for
+           the device to drain, so the ops queued after it start late; per segment
+  joins    the same thread blocking on a job of the runtime's link worker (`Future.result`): at a fetch's wait
+           (its host work must be done), or elsewhere (the host waits for the worker's queue)
+  writebacks  jobs that thread submits to the fetch worker that are not fetches (a pool's write-back of new
+           rows): they queue with the fetches, behind the copies already issued
+  host     bytes read and written by ops on host tensors, per (batch row, context token) as `stream`: host work
+           on the thread that launches kernels (a compaction of indices read back from the device) or on the
+           worker besides the gather itself (whose bytes are the selection's, priced from the rows it moves)
+  readback bytes the launching thread reads back from the device by a blocking copy (`.cpu()`), per (batch row,
+           context token)
+
+The counting measures run the runtime's CUDA code path on the CPU (`copies=True`: fetched rows land in staging
+slots, as on a GPU; host work inline, so its ops are kept apart from the launching thread's) with the stand-in
+in the model's own dtype (a float16 model's KV bytes are float16 bytes, its casts the ops they are), and tell host
+tensors from device ones by where they come from (`HostTensors`): host pools and staging, `.cpu()` results, tensors
+made without a device, and what ops on them return. The timed measures run the CPU path as the latency task does.
+
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
 model structure and the source of the code they time (not perf.py, which only reads them).
@@ -36,15 +55,21 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinigen import adapter
+from infinigen.offload import link as link_module
 from infinigen.offload.runtime import OffloadRuntime
+from infinigen.offload.timing import Timer
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 # steps per stand-in run; the first and the last are dropped and the median of the rest taken, as the latency
@@ -63,24 +88,283 @@ CACHE = Path(".cache/infinigen/census")
 
 INDEXED = {"gather", "index_select", "index", "index_put", "index_put_", "scatter", "scatter_", "scatter_add",
            "scatter_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "masked_select", "take"}
+# Ops that make the host wait for the device (the same set as experiments/bench_ops.py's SyncCounter): a scalar
+# read (item, int(), bool()), ops whose output shape depends on the data, a bool-mask index; by overload packet
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "argwhere",
+                      "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
+                      "unique_dim_consecutive", "bincount"})
+MASK_INDEXED = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+# the host gather itself: its bytes are the selected rows', which the model takes from the run's selection
+HOST_GATHER = frozenset({"index_select"})
+# torch functions that make a tensor from nothing: on the host unless given a device (or "cpu", or pinned)
+FACTORIES = frozenset({"arange", "empty", "zeros", "ones", "full", "tensor", "as_tensor", "randint", "rand", "randn",
+                       "linspace", "scalar_tensor", "empty_strided"})
+COUNTS = ("ops", "syncs", "joins", "writebacks")  # per step, counted in one run
+BYTES = ("stream", "indexed", "host", "readback")  # per (row, token), counted in the same four runs
+MEASURES = COUNTS + BYTES
+
+
+def syncs(func, args, kwargs) -> bool:
+    """Whether this op, on a device tensor, makes the host wait for the device."""
+    packet = func.overloadpacket.__name__
+    if packet in MASK_INDEXED:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if packet == "repeat_interleave":  # tensor repeats: the output's length is their sum
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+    if packet == "one_hot":
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return classes is None or classes < 0
+    return packet in SYNC_OPS or any(tag in func.tags for tag in SYNC_TAGS)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HostTensors:
+    """Which tensors would be host memory on a GPU, on a CPU run where all are: host pools and staging buffers
+    (made without a device, or pinned), `.cpu()` results, and what ops whose first tensor is one return."""
+
+    def __init__(self):
+        self._host = WeakIdKeyDictionary()
+
+    def __contains__(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self._host
+
+    def tag(self, value) -> None:
+        for t in _tensors(value):
+            self._host[t] = True
+
+    def untag(self, value) -> None:
+        for t in _tensors(value):
+            self._host.pop(t, None)
+
+
+def _device_arg(args, kwargs):
+    for a in (kwargs.get("device"), *args):
+        if isinstance(a, (str, torch.device)):
+            return a
+    return None
+
+
+class _Placement(TorchFunctionMode):
+    """Python-level calls that move data between host and device (no op of their own on a CPU tensor) and tensor
+    factories: tags host tensors, and counts a blocking device->host read as the sync it is on a GPU."""
+
+    def __init__(self, counter: "OpCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        c, host = self.counter, self.counter.host
+        if name in ("cpu", "tolist", "numpy") or (name == "to" and _to_host(args[1:], kwargs)):
+            src = args[0]
+            if isinstance(src, torch.Tensor) and src not in host:
+                if not kwargs.get("non_blocking"):
+                    c.synced()
+                c.read_back(src)
+                if name in ("cpu", "to"):  # a copy, as on a GPU (on a CPU tensor `.cpu()` returns itself)
+                    with _disable_current_modes():
+                        out = func(*args, **kwargs).clone()
+                    host.tag(out)
+                    return out
+            return func(*args, **kwargs)
+        if name == "to" and isinstance(args[0], torch.Tensor) and args[0] in host and _device_arg(args[1:], kwargs):
+            with _disable_current_modes():  # host -> device: a device tensor (a blocking copy unless asked not to)
+                out = func(*args, **kwargs).clone()
+            if not kwargs.get("non_blocking"):
+                c.synced()
+            return out
+        out = func(*args, **kwargs)
+        if name in FACTORIES or name.endswith("_like"):
+            device = kwargs.get("device")
+            if kwargs.get("pin_memory") or (isinstance(device, str) and device.startswith("cpu")) or (
+                    device is None and not name.endswith("_like")):
+                host.tag(out)
+            elif device is not None:
+                host.untag(out)
+        return out
+
+
+def _to_host(args, kwargs) -> bool:
+    """Tensor.to("cpu", ...): only a string target counts (on a CPU run `.to(x.device)` names the device)."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and target.split(":")[0] == "cpu"
+
+
+class Tally:
+    """Several counts read as one clock value (the runtime's marks and a fetch's host_s are differences of its
+    clock): arithmetic per count, a plain number applying to each, order by the first."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = tuple(v)
+
+    def _other(self, o):
+        return o.v if isinstance(o, Tally) else (o,) * len(self.v)
+
+    def __add__(self, o):
+        return Tally(a + b for a, b in zip(self.v, self._other(o)))
+
+    __radd__ = __add__
+
+    def __sub__(self, o):
+        return Tally(a - b for a, b in zip(self.v, self._other(o)))
+
+    def __rsub__(self, o):
+        return Tally(b - a for a, b in zip(self.v, self._other(o)))
+
+    def __mul__(self, k):
+        return Tally(a * k for a in self.v)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, k):
+        return Tally(a / k for a in self.v) if not isinstance(k, Tally) else float(self) / float(k) if k.v[0] else 0.0
+
+    def __rtruediv__(self, o):  # what the runtime derives from host_s (a gather rate): a plain number
+        return float(o) / self.v[0] if self.v[0] else 0.0
+
+    def __neg__(self):
+        return Tally(-a for a in self.v)
+
+    def __abs__(self):
+        return Tally(abs(a) for a in self.v)
+
+    def __round__(self, n=None):
+        return round(self.v[0], n)
+
+    def __format__(self, spec):
+        return format(self.v[0], spec)
+
+    def __lt__(self, o):
+        return self.v[0] < (o.v[0] if isinstance(o, Tally) else o)
+
+    def __gt__(self, o):
+        return self.v[0] > (o.v[0] if isinstance(o, Tally) else o)
+
+    def __le__(self, o):
+        return not self > o
+
+    def __ge__(self, o):
+        return not self < o
+
+    def __float__(self):
+        return float(self.v[0])
+
+    def part(self, k: int) -> float:
+        return self.v[k]
+
+
+def part(value, k: int) -> float:
+    """The k-th count of a Tally (a plain number: no op moved the clock there, every count 0)."""
+    return value.part(k) if isinstance(value, Tally) else float(value)
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops dispatched while active, and the bytes the non-view ones read and write."""
+    """Counts, for each of `measures`, the aten ops dispatched while active (ops), the bytes the non-view ones read
+    and write (stream / indexed: device tensors only; host: host tensors only), host synchronisations (syncs),
+    blocking joins of the link's jobs (joins), write-back jobs queued to its fetch worker (writebacks) or bytes
+    read back from the device by a blocking copy (readback). `value`: the first measure's count; `tally()`: all."""
 
-    def __init__(self, measure: str = "ops"):
+    def __init__(self, measure: str | tuple = "ops"):
         super().__init__()
-        self.measure = measure
-        self.value = 0.0
+        self.measures = (measure,) if isinstance(measure, str) else tuple(measure)
+        self.counts = [0.0] * len(self.measures)
+        self._at = {m: i for i, m in enumerate(self.measures)}
+        self.host = HostTensors()
+        self._placement = _Placement(self)
+        self._thread = None
+        self._undo = []
+
+    @property
+    def value(self) -> float:
+        return self.counts[0]
+
+    def tally(self) -> Tally:
+        return Tally(self.counts)
+
+    def add(self, measure: str, n: float) -> None:
+        i = self._at.get(measure)
+        if i is not None:
+            self.counts[i] += n
+
+    def synced(self) -> None:
+        self.add("syncs", 1)
+
+    def read_back(self, t: torch.Tensor) -> None:
+        self.add("readback", t.numel() * t.element_size())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.measure == "ops":
-            self.value += 1
-        elif not func.is_view and (func.overloadpacket.__name__ in INDEXED) == (self.measure == "indexed"):
-            tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
-            self.value += sum(t.numel() * t.element_size() for t in tensors)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = _tensors((args, kwargs))
+        on_host = bool(tensors) and tensors[0] in self.host
+        if on_host and not _mutates(func):
+            self.host.tag(out)
+        at = self._at
+        if "ops" in at:
+            self.counts[at["ops"]] += 1
+        if "syncs" in at and not on_host and syncs(func, args, kwargs):
+            self.counts[at["syncs"]] += 1
+        if func.is_view or not (at.keys() & {"host", "stream", "indexed"}):
+            return out
+        packet = func.overloadpacket.__name__
+        if on_host:
+            if "host" in at and packet not in HOST_GATHER:
+                self.counts[at["host"]] += _nbytes(tensors + _tensors(out))
+        else:
+            m = "indexed" if packet in INDEXED else "stream"
+            if m in at:
+                self.counts[at[m]] += _nbytes(tensors + _tensors(out))
         return out
+
+    # ------------------------------------------------------------------ Python-level calls
+    def _wrap(self, owner, attr: str, count) -> None:
+        original = getattr(owner, attr)
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() == counter._thread:
+                count()
+            return original(*args, **kwargs)
+
+        setattr(owner, attr, wrapper)
+        self._undo.append(lambda: setattr(owner, attr, original))
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        if "joins" in self._at:
+            self._wrap(Future, "result", lambda: self.add("joins", 1))
+        if "writebacks" in self._at:  # a job to the fetch worker that no fetch's `issue` mark follows
+            self._wrap(link_module.Link, "submit", lambda: self.add("writebacks", 1))
+            self._wrap(Timer, "issue", lambda: self.add("writebacks", -1))
+        self._placement.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._placement.__exit__(*exc)
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
+
+
+def _mutates(func) -> bool:
+    """An in-place or out= op: its output is an argument, whose placement it keeps."""
+    schema = func._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def stand_in_arch(arch: dict, layers: int, head_dim: int = 16, positions: int = 256, narrow: bool = False) -> dict:
@@ -187,17 +471,19 @@ def code_fingerprint(method) -> str:
 def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measure: str = "ops",
            prompt: int | None = None) -> list[dict]:
     """Per decode step, for each of the real model's layers {segment: value}, plus the step's own last.
-    measure: "ops" (dispatched ops, at the run's batch up to 2), "seconds" (what the runtime's code takes per
-    segment on this machine at zero width: dispatch and Python), "point_seconds" (the same at the run's
-    `prompt`, batch up to 8 and head_dim: see the module doc), "stream" / "indexed" (bytes per (batch row, context
-    token), at the real head_dim: see the module doc)."""
+    measure: "ops" / "syncs" / "joins" / "writebacks" (counts per step, at the run's batch up to 2), "seconds"
+    (what the runtime's code takes per segment on this machine at zero width: dispatch and Python),
+    "point_seconds" (the same at the run's `prompt`, batch up to 8 and head_dim: see the module doc), "stream" /
+    "indexed" / "host" (bytes per (batch row, context token), at the real head_dim: see the module doc)."""
     steady, n = _steady(kinds)
+    dtype = str(model_cfg.get("dtype") or "float32")
     ident = [type(method).__name__, _params(method), runtime, stand_in_arch(dict(model_cfg.arch), n), measure,
              torch.__version__, code_fingerprint(method)] + ([TIMED_REPEATS] if "seconds" in measure else [])
+    ident += [] if dtype == "float32" else [dtype]  # (float32 censuses keep the keys they had)
     d = int(dict(model_cfg.arch).get("head_dim") or model_cfg.arch.hidden_size // model_cfg.arch.num_attention_heads)
-    if measure == "ops":
-        return _spread(_cached(ident + [min(batch, 2)], lambda: _count(model_cfg, method, runtime, min(batch, 2), n,
-                                                                       measure)), kinds)
+    if measure in COUNTS:
+        return _spread(_group(ident, COUNTS, measure, [min(batch, 2), "copies"],
+                              lambda: _count(model_cfg, method, runtime, min(batch, 2), n, COUNTS)), kinds)
     if measure == "seconds":  # this machine's time per segment at zero width: the host segment's dispatch
         ident += [min(batch, 2), platform.node(), torch.get_num_threads()]
         return _spread(_cached(ident, lambda: _count(model_cfg, method, runtime, min(batch, 2), n, measure)), kinds)
@@ -224,21 +510,39 @@ def census(model_cfg, method, runtime: str, batch: int, kinds: list[str], measur
                     for i in range(n + 1)]
 
         return _spread(_cached(ident, timed), kinds)
+    if measure not in MEASURES:
+        raise ValueError(f"census measure must be one of {MEASURES} or a timed one, got {measure!r}")
+    # at 2 rows: indices read back per row are compacted only where rows select different counts
 
     def slopes():
-        at = {(p, w): _count(model_cfg, method, runtime, 1, n, measure, prompt=p, head_dim=w)
+        rows = 2
+        at = {(p, w): _count(model_cfg, method, runtime, rows, n, BYTES, prompt=p, head_dim=w)
               for p in (CENSUS_PROMPT, 2 * CENSUS_PROMPT) for w in (8, 16)}
-        out = []
+        out = {m: [] for m in BYTES}
         for i in range(n + 1):
-            row = {}
-            for seg in SEGMENTS:
-                per = {w: (at[(2 * CENSUS_PROMPT, w)][i][seg] - at[(CENSUS_PROMPT, w)][i][seg]) / CENSUS_PROMPT
-                       for w in (8, 16)}
-                row[seg] = max(0.0, per[8] + (per[16] - per[8]) / 8 * (d - 8))
-            out.append(row)
+            for m in BYTES:
+                row = {}
+                for seg in SEGMENTS:
+                    per = {w: (at[(2 * CENSUS_PROMPT, w)][m][i][seg] - at[(CENSUS_PROMPT, w)][m][i][seg])
+                           / CENSUS_PROMPT / rows for w in (8, 16)}
+                    row[seg] = max(0.0, per[8] + (per[16] - per[8]) / 8 * (d - 8))
+                out[m].append(row)
         return out
 
-    return _spread(_cached(ident + [d], slopes), kinds)
+    return _spread(_group(ident, BYTES, measure, [d, "copies"], slopes), kinds)
+
+
+def _group(ident: list, group: tuple, measure: str, extra: list, compute) -> list[dict]:
+    """One measure of a group counted in the same runs: each cached under its own key, all computed together."""
+    keys = {m: [*ident[:4], m, *ident[5:], *extra] for m in group}
+    path = {m: CACHE / f"{hashlib.sha256(json.dumps(k, sort_keys=True, default=str).encode()).hexdigest()[:16]}.json"
+            for m, k in keys.items()}
+    if path[measure].exists():
+        return json.loads(path[measure].read_text())
+    values = compute()
+    for m in group:
+        _cached(keys[m], lambda m=m: values[m])
+    return values[measure]
 
 
 def _params(method) -> dict:
@@ -251,12 +555,16 @@ def timed_context(prompt: int) -> int:
     return prompt + 1 + CENSUS_STEPS // 2
 
 
-def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str, prompt: int = CENSUS_PROMPT,
-           head_dim: int = 16, narrow: bool = False) -> list[dict]:
+def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: str | tuple,
+           prompt: int = CENSUS_PROMPT, head_dim: int = 16, narrow: bool = False) -> list[dict] | dict:
+    """Per stand-in layer (and the step's own last) {segment: value} of one measure; of a tuple of counted
+    measures, {measure: that}."""
     arch = stand_in_arch(dict(model_cfg.arch), layers, head_dim, positions=max(256, 2 * (prompt + CENSUS_STEPS)),
                          narrow=narrow)
-    cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": "float32", "random_init": True,
-                            "seed": 0, "arch": arch})
+    # the model's dtype: a float16 model's KV is float16 bytes, its casts (float32 softmax, dequantisation) the ops
+    # they are; a float32 stand-in counted its KV bytes twice
+    cfg = OmegaConf.create({"name": f"{model_cfg.name}-stand-in", "dtype": str(model_cfg.get("dtype") or "float32"),
+                            "random_init": True, "seed": 0, "arch": arch})
     model, _ = adapter.load(cfg, device="cpu")
     method = method.stand_in()  # a fresh instance: binding calibrates it on the stand-in
     ids = torch.randint(0, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
@@ -269,8 +577,20 @@ def _count(model_cfg, method, runtime: str, batch: int, layers: int, measure: st
             steps += [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]
     else:
         counter = OpCounter(measure)
-        rt = OffloadRuntime(model, method, runtime=runtime, clock=lambda: counter.value)
-        with counter:
-            rt.generate(ids, CENSUS_STEPS)
+        # the CUDA code path (rows land in staging slots, the launching thread does what it does on a GPU), its
+        # host work inline: kept apart from that thread's segments, in the fetch's host segment. Every measure
+        # counted at once: the clock is a Tally of them. One intra-op thread: counts do not depend on it, and a
+        # stand-in's tiny ops ran 14x slower on two threads of a busy machine
+        rt = OffloadRuntime(model, method, runtime=runtime, clock=counter.tally, threaded=False, copies=True)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with counter:
+                rt.generate(ids, CENSUS_STEPS)
+        finally:
+            torch.set_num_threads(threads)
         steps = [_segments(marks, rt.timer.fetches, layers) for marks in rt.timer.steps[1:-1]]  # steady steps
+        per = {m: [{seg: statistics.median(part(s[i][seg], k) for s in steps) for seg in SEGMENTS}
+                   for i in range(layers + 1)] for k, m in enumerate(counter.measures)}
+        return per if isinstance(measure, tuple) else per[measure]
     return [{seg: statistics.median(s[i][seg] for s in steps) for seg in SEGMENTS} for i in range(layers + 1)]

@@ -8,10 +8,13 @@ pool's rows at the method's `codec` width: the same bytes the runtime's counters
 and where the compute stream waits for it. Each segment's device time is a roofline, max(FLOPs / peak, bytes /
 memory bandwidth), over what the segment reads (weights, the KV it attends, the selection's per-entry vectors:
 `GatheringMethod.selection_work`), plus the ops the runtime's own code dispatches (counted once on a small stand-in
-of the model: infinigen/offload/census.py) times the profile's per-op cost. On a GPU, ops are queued ahead of the
-device between host synchronisations (a gather's indices must reach the host), so a stretch costs the larger of
-its dispatch and its device time; on a CPU (`h2d_gbps: null`, host == device) they add, and the host-side work
-of fetches runs inline, as the runtime runs it there.
+of the model, in the model's dtype: infinigen/offload/census.py) times the profile's per-op cost. On a GPU, ops
+are queued ahead of the device between the host synchronisations the census counts in each segment, so a stretch
+costs the larger of its dispatch and its device time and at each sync the host waits for the device; the host
+also waits where the runtime joins a job of its link worker (a fetch's host work, a write-back queued on the
+fetch worker), and does host tensor work (indices read back and compacted) on its own clock; a gather's host job
+starts once its selection's indices exist on the device. On a CPU (`h2d_gbps: null`, host == device) they add,
+and the host-side work of fetches runs inline, as the runtime runs it there.
 
 Nothing here loads weights: an OPT-13B point computes from its config in well under a second (after the census,
 cached per method config and model structure).
@@ -39,8 +42,17 @@ HARDWARE_FIELDS = {
     # 49152 x 576 at 8 rows: 0.57-0.76x their FLOP/s here), and it is a fifth of the step's matmul FLOPs; a GPU's
     # tensor cores run it at their peak
     "head_tflops": ("TFLOP/s, the LM head's matmul; null or absent: matmul_tflops", True),
+    # host-side tensor work that is not the gather (the launching thread's compaction of indices read back from
+    # the device, a worker's bookkeeping): one thread's rate, bytes read + written
+    "host_op_gbps": ("GB/s, host tensor ops besides the gather, bytes read + written; null or absent: host_gbps",
+                     True),
+    # a blocking device->host read (`.cpu()` of selected indices) lands in pageable memory
+    "pageable_gbps": ("GB/s, blocking copies through pageable host memory; null or absent: d2h_gbps", True),
+    # a job of the link's worker costs host time beyond its ops: the hand-off to the thread, its Python, the event
+    # and stream calls around its copies
+    "job_us": ("microseconds of host time per link job beyond its ops; null or absent: 0", True),
 }
-OPTIONAL_FIELDS = ("head_tflops",)
+OPTIONAL_FIELDS = ("head_tflops", "host_op_gbps", "pageable_gbps", "job_us")
 # How a profile prices the ops the runtime dispatches: `ops` = launch_us each (a GPU: launches queue ahead of the
 # device); `stand_in` = the seconds the runtime's code takes per segment on this machine, timed on the stand-in at
 # the run's size (a CPU profile calibrated here: per-op costs differ by op and by tensor size, and the harness's
@@ -62,10 +74,23 @@ class Hardware:
     device_memory_gib: float
     dispatch: str = "ops"
     head_tflops: float | None = None
+    host_op_gbps: float | None = None
+    pageable_gbps: float | None = None
+    job_us: float | None = None
 
     @property
     def host_is_device(self) -> bool:
         return self.h2d_gbps is None
+
+    @property
+    def host_op_rate(self) -> float:
+        """Bytes/s of host tensor work besides the gather."""
+        return (self.host_op_gbps or self.host_gbps) * 1e9
+
+    @property
+    def readback_rate(self) -> float:
+        """Bytes/s of a blocking device->host read."""
+        return (self.pageable_gbps or self.d2h_gbps or self.host_gbps) * 1e9
 
 
 def hardware(cfg) -> Hardware:
@@ -280,13 +305,18 @@ def layer_work(hw: Hardware, shape: Shape, plan_: Plan, method, i: int, batch: i
 
 @dataclass
 class Clock:
-    """The host thread (dispatching ops) and the device stream. On a CPU both are one clock."""
+    """The host thread (dispatching ops) and the device stream. On a CPU both are one clock. `busy` splits the
+    device's timeline (what it ran or waited for); `waits` the host's time not spent dispatching (at host
+    synchronisations, joining the link's jobs, host tensor work)."""
 
     overlap: bool
     host: float = 0.0
     device: float = 0.0
+    lead: float = 0.0  # seconds to dispatch one op: a stretch's device work starts once its first op is queued
     busy: dict = field(default_factory=lambda: {"compute": 0.0, "speculation": 0.0, "exposed_transfer": 0.0,
                                                  "host": 0.0})
+    waits: dict = field(default_factory=lambda: {"sync_wait": 0.0, "join_wait": 0.0, "host_work": 0.0,
+                                                  "syncs": 0.0})
 
     def run(self, dispatch_s: float, device_s: float, kind: str = "compute") -> None:
         """Ops taking `dispatch_s` to dispatch, carrying `device_s` of device work."""
@@ -294,14 +324,51 @@ class Clock:
             self.host = self.device = self.host + dispatch_s + device_s
             self.busy[kind] += dispatch_s + device_s
             return
+        first = self.host + min(self.lead, dispatch_s)  # (after a sync the device waits for it)
         self.host += dispatch_s
         start = self.device
-        self.device = max(self.device + device_s, self.host)
+        self.device = max(max(self.device, first) + device_s, self.host)
         self.busy[kind] += self.device - start
 
-    def sync(self) -> None:
-        """The host waits for the device (a gather's indices are read on the host)."""
+    def segment(self, dispatch_s: float, device_s: float, syncs: float = 0.0, kind: str = "compute",
+                lo: float = 0.0, hi: float = 1.0) -> None:
+        """The part [lo, hi) of a segment's ops, taking `dispatch_s` to dispatch and carrying `device_s` of device
+        work, the host waiting for the device at each of the segment's `syncs` that falls in it (spread evenly
+        over the segment's ops, the last at its end)."""
+        k = round(syncs)
+        at = lo
+        for point in [i / k for i in range(1, k + 1) if lo < i / k <= hi] if k else []:
+            share = (point - at) / (hi - lo)
+            self.run(dispatch_s * share, device_s * share, kind)
+            self.sync()
+            at = point
+        if hi > at:
+            share = (hi - at) / (hi - lo)
+            self.run(dispatch_s * share, device_s * share, kind)
+
+    def sync(self, counted: bool = True) -> None:
+        """The host waits for the device (a scalar read, a blocking copy, a data-dependent shape)."""
+        if self.overlap and counted:
+            self.waits["syncs"] += 1
+            self.waits["sync_wait"] += max(0.0, self.device - self.host)
         self.host = max(self.host, self.device)
+
+    def join(self, t: float) -> None:
+        """The host blocks until a job of the link's worker, done at t, is."""
+        if self.overlap and t > self.host:
+            self.waits["join_wait"] += t - self.host
+            self.host = t
+
+    def host_work(self, seconds: float) -> None:
+        """Host tensor work on the launching thread: the device runs what is queued meanwhile."""
+        if seconds <= 0:
+            return
+        self.waits["host_work"] += seconds
+        if self.overlap:
+            self.host += seconds
+        else:
+            self.host = self.device = self.host + seconds
+            self.busy["compute"] += seconds
 
     def wait_for(self, t: float, host_share: float = 0.0) -> None:
         """The device (CPU: the thread) waits for a fetch that lands at t; `host_share` of the fetch's time was
@@ -317,26 +384,43 @@ class Clock:
 
 @dataclass
 class Link:
-    """One host worker (gathers, in issue order) feeding one host->device copy engine."""
+    """One host worker (fetches' host work, in issue order) feeding one host->device copy engine."""
 
     hw: Hardware
     worker: float = float("-inf")
     engine: float = float("-inf")
     busy_s: float = 0.0
+    worker_s: float = 0.0  # the worker's busy time (the runtime's `link_host_ms`)
 
     def fetch(self, clock: Clock, issued: float, host_dispatch_s: float, nbytes: float,
-              gathered: bool) -> tuple[float, float]:
-        """(time at which a fetch issued at `issued` has landed on the device, the host-side share of its time)."""
-        host_s = host_dispatch_s + (2 * nbytes / (self.hw.host_gbps * 1e9) if gathered else 0.0)
+              gathered: bool, host_extra_s: float = 0.0) -> tuple[float, float, float]:
+        """(time at which a fetch issued at `issued` has landed on the device, the host-side share of its time,
+        the time its host-side job is done). `host_extra_s`: its host tensor work besides the gather."""
+        host_s = host_dispatch_s + host_extra_s + (2 * nbytes / (self.hw.host_gbps * 1e9) if gathered else 0.0)
         if self.hw.host_is_device:  # inline on the one thread: nothing crosses, the host work is the step's
             clock.host = clock.device = clock.host + host_s
             clock.busy["host"] += host_s
-            return clock.host, 0.0
+            return clock.host, 0.0, clock.host
+        host_s += (self.hw.job_us or 0.0) * 1e-6
         self.worker = max(issued, self.worker) + host_s
+        self.worker_s += host_s
         copy = nbytes / (self.hw.h2d_gbps * 1e9)
         self.engine = max(self.worker, self.engine) + copy
         self.busy_s += copy
-        return self.engine, host_s / (host_s + copy) if host_s + copy > 0 else 0.0
+        return self.engine, host_s / (host_s + copy) if host_s + copy > 0 else 0.0, self.worker
+
+    def writeback(self, clock: Clock, nbytes: float, host_s: float = 0.0) -> float:
+        """A job queued to the fetch worker that writes new rows back into a host pool (the time it is done): its
+        device->host copy is queued on the copy stream behind what is already there, once the device has
+        computed the rows, and the job waits for it; fetches issued later queue behind the job."""
+        if self.hw.host_is_device:
+            return clock.host
+        copied = max(self.engine, clock.device) + nbytes / (self.hw.d2h_gbps * 1e9)
+        self.engine = copied
+        host_s += (self.hw.job_us or 0.0) * 1e-6
+        self.worker = max(self.worker, clock.host, copied) + host_s
+        self.worker_s += host_s
+        return self.worker
 
 
 def selected_counts(fractions: list[float] | None, plan_: Plan, seen: int) -> list[float]:
@@ -356,22 +440,37 @@ def attended_entries(method, plan_: Plan, i: int, seen: int, selected: float) ->
     return seen
 
 
+EVENTS = ("syncs", "joins", "writebacks", "host", "readback")
+
+
+def no_events(layers: int) -> list[dict]:
+    """Per layer (and the step's own last) no host synchronisation, join, write-back or host tensor work: a
+    profile of this machine (host == device: its timed seconds hold them) or a test's bare schedule."""
+    return [{m: dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0) for m in EVENTS}
+            for _ in range(layers + 1)]
+
+
 def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
                  fractions: list[float] | None, dispatch: list[dict], context_s: list[dict],
-                 timed_at: int = 0) -> list[dict]:
+                 timed_at: int = 0, events: list[dict] | None = None) -> list[dict]:
     """Each decode step's modelled seconds and breakdown, replaying OffloadedMethod's order of events: a layer's
     fetch is issued at the previous layer's attention start (held, and gathers speculated at attention_start; the
     next step's layer 0 at the last layer for held), at its attention end (attention_end), or by the layer itself
     before its attention (query, or nothing issued it earlier); the layer's attention waits for it. `dispatch`:
     per layer (and the step's own last) {segment: seconds} of dispatch (`dispatch_seconds`); `context_s`: per layer
     {segment: seconds per batch row and context token} (`context_seconds`), past `timed_at` tokens of context
-    (what `dispatch` was timed at; its "host" at none)."""
+    (what `dispatch` was timed at; its "host" at none). `events` (`census_events`): per layer {measure:
+    {segment: value}} of what the launching thread does besides dispatching: host synchronisations (the host
+    waits for the device, spread over the segment's ops), joins of the link's jobs (at a fetch's wait: its host
+    work; elsewhere: the latest write-back), write-back jobs on the fetch worker, host tensor work and blocking
+    reads (bytes per (row, token), on the host clock, at the segment's end)."""
     shape = Shape.of(model_cfg)
     p = plan(method, shape, runtime, prompt_len + gen_len)
-    link, clock = Link(hw), Clock(overlap=not hw.host_is_device)
+    link, clock = Link(hw), Clock(overlap=not hw.host_is_device, lead=hw.launch_us * 1e-6 * (hw.dispatch == "ops"))
     L = shape.layers
+    ev = events or no_events(L)
     point = getattr(method, "speculation_point", "query")
-    pending: dict[int, tuple[float, float]] = {}  # layer -> (landing time of its fetch, its host-side share)
+    pending: dict[int, tuple[float, float, float]] = {}  # layer -> (landing, host-side share, host job done)
     steps = []
     for s in range(gen_len):
         past = prompt_len + s  # entries before this step's token
@@ -380,19 +479,34 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
         nbytes = step_bytes(method, shape, p, batch, past, prompt_len, sel)
         work = [layer_work(hw, shape, p, method, j, batch, seen, attended_entries(method, p, j, seen, sel[j]),
                            context_s[j], timed_at) for j in range(L)]
-        t0, busy0, link0 = max(clock.host, clock.device), dict(clock.busy), link.busy_s
+        t0, busy0, waits0, link0, worker0 = (max(clock.host, clock.device), dict(clock.busy), dict(clock.waits),
+                                             link.busy_s, link.worker_s)
+        wrote = clock.host  # the latest write-back job's end
+
+        def host_tail(j: int, seg: str) -> None:
+            """The segment's host tensor work and blocking reads, which grow with the context."""
+            rows = batch * seen
+            clock.host_work(rows * (ev[j]["host"][seg] / hw.host_op_rate + ev[j]["readback"][seg] / hw.readback_rate))
+
         def issue(j: int) -> None:
             if p.kinds[j] == "gather":  # the selection on the compute stream, then its indices reach the host
-                clock.run(dispatch[j]["speculation"], work[j].speculation, "speculation")
-                clock.sync()
+                clock.segment(dispatch[j]["speculation"], work[j].speculation, ev[j]["syncs"]["speculation"],
+                              "speculation")
+                host_tail(j, "speculation")
             host_s = dispatch[j]["host"]
             if hw.host_is_device and p.kinds[j] == "held":  # the pool's rows copied where attention reads them
                 host_s += batch * seen * context_s[j]["host"]
-            pending[j] = link.fetch(clock, clock.host, host_s, nbytes[j], p.kinds[j] == "gather")
+            extra = batch * seen * ev[j]["host"]["host"] / hw.host_op_rate
+            # a gather's host job needs its selection's indices: the device must have computed them (the host waited
+            # for them at a sync, or the worker waits for their copy's event); a held prefix needs nothing
+            issued = max(clock.host, clock.device) if p.kinds[j] == "gather" else clock.host
+            pending[j] = link.fetch(clock, issued, host_s, nbytes[j], p.kinds[j] == "gather", extra)
 
         for j in range(L):
-            ops = dispatch[j]
-            clock.run(ops["attention"] / 2, work[j].projections)
+            ops, e = dispatch[j], ev[j]
+            clock.segment(ops["attention"] / 2, work[j].projections, e["syncs"]["attention"], lo=0.0, hi=0.5)
+            for _ in range(round(e["writebacks"]["attention"])):  # the new token's rows, written back
+                wrote = link.writeback(clock, p.row_bytes[j] * batch * shape.kv_heads)
             if p.kinds[j] != "resident" and j not in pending:
                 issue(j)
             nxt = (j + 1) % L
@@ -401,16 +515,24 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
             if ahead == "attention_start" and wrap_ok:
                 issue(nxt)
             if j in pending:
-                clock.wait_for(*pending.pop(j))
-            clock.run(ops["attention"] / 2, work[j].attention)
+                landed, share, job = pending.pop(j)
+                if e["joins"]["host"]:  # the host blocks on the fetch's job (its host work) before the device waits
+                    clock.join(job)
+                clock.wait_for(landed, share)
+            if e["joins"]["attention"]:  # e.g. a pool's queued write-backs, settled before attending
+                clock.join(wrote)
+            clock.segment(ops["attention"] / 2, work[j].attention, e["syncs"]["attention"], lo=0.5, hi=1.0)
+            host_tail(j, "attention")
             if ahead == "attention_end" and wrap_ok:
                 issue(nxt)
-            clock.run(ops["ffn"], work[j].ffn)
-            clock.run(ops["norms"], work[j].norms)
-        clock.run(dispatch[L]["norms"], head_seconds(hw, shape, batch))
-        clock.sync()
+            clock.segment(ops["ffn"], work[j].ffn, e["syncs"]["ffn"])
+            clock.segment(ops["norms"], work[j].norms, e["syncs"]["norms"])
+        clock.segment(dispatch[L]["norms"], head_seconds(hw, shape, batch), ev[L]["syncs"]["norms"])
+        clock.sync(counted=False)  # a step's time: until the device has run it (the runtime's events measure it)
         steps.append({"step_s": clock.host - t0, "h2d_bytes": sum(nbytes), "layer_bytes": nbytes,
-                      "transfer_s": link.busy_s - link0, **{f"{k}_s": v - busy0[k] for k, v in clock.busy.items()}})
+                      "transfer_s": link.busy_s - link0, "host_busy_s": link.worker_s - worker0,
+                      **{f"{k}_s": v - busy0[k] for k, v in clock.busy.items()},
+                      **{f"{k}_s" if k != "syncs" else k: v - waits0[k] for k, v in clock.waits.items()}})
     return steps
 
 
@@ -431,6 +553,18 @@ def dispatch_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, 
     return [{seg: n * hw.launch_us * 1e-6 for seg, n in layer.items()} for layer in ops], 0
 
 
+def census_events(hw: Hardware, model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> list[dict]:
+    """Per layer {measure: {segment: value}} of what the launching thread does besides dispatching (the census's
+    syncs, joins, writebacks, host and readback). A profile of this machine has none to add: host and device are
+    one thread there, and its timed seconds hold that work."""
+    from infinigen.offload import census
+
+    if hw.host_is_device:
+        return no_events(len(kinds))
+    per = {m: census.census(model_cfg, method, runtime, batch, kinds, measure=m) for m in EVENTS}
+    return [{m: per[m][i] for m in EVENTS} for i in range(len(kinds) + 1)]
+
+
 def context_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> list[dict]:
     """Per layer {segment: seconds per (batch row, context token)}. A profile of this machine (dispatch: stand_in)
     times the method's code at two context lengths here; any other prices the bytes the census counts that grow
@@ -444,16 +578,43 @@ def context_seconds(hw: Hardware, model_cfg, method, runtime: str, batch: int, k
             for s, x in zip(stream, indexed)]
 
 
+GPU_MEASURES = ("ops", "stream", "indexed") + EVENTS  # what a profile that is not this machine reads of a census
+
+
+def census_of(model_cfg, method, runtime: str, batch: int, kinds: list[str]) -> dict:
+    """{measure: per layer {segment: value}}: the census a GPU profile's model reads (`from_census`); JSON, so the
+    census of one version of the runtime can be kept and modelled by another version of this model."""
+    from infinigen.offload import census
+
+    return {m: census.census(model_cfg, method, runtime, batch, kinds, measure=m) for m in GPU_MEASURES}
+
+
+def from_census(hw: Hardware, cen: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """A census (`census_of`) priced on a profile: (dispatch seconds, context seconds, events) per layer, as
+    `dispatch_seconds`, `context_seconds` and `census_events` give them for a profile that is not this machine."""
+    dispatch = [{seg: n * hw.launch_us * 1e-6 for seg, n in layer.items()} for layer in cen["ops"]]
+    context = [{seg: st[seg] / (hw.copy_gbps * 1e9) + ix[seg] / (hw.gather_gbps * 1e9) for seg in st}
+               for st, ix in zip(cen["stream"], cen["indexed"])]
+    events = [{m: cen[m][i] for m in EVENTS} for i in range(len(cen["ops"]))]
+    return dispatch, context, events
+
+
 def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, prompt_len: int, gen_len: int,
-                   fractions: list[float] | None) -> list[dict]:
-    """decode_steps with the census of the method's code (cached after the first call per configuration)."""
+                   fractions: list[float] | None, cen: dict | None = None) -> list[dict]:
+    """decode_steps with the census of the method's code (cached after the first call per configuration), or,
+    on a profile that is not this machine, the census `cen` given (`census_of`, e.g. of another runtime)."""
     from infinigen.offload.runtime import layer_kind
 
     shape = Shape.of(model_cfg)
     kinds = [layer_kind(method, shape.layer(i), runtime) for i in range(shape.layers)]
-    dispatch, timed_at = dispatch_seconds(hw, model_cfg, method, runtime, batch, prompt_len, kinds)
-    return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch,
-                        context_seconds(hw, model_cfg, method, runtime, batch, kinds), timed_at)
+    if hw.dispatch == "stand_in":
+        dispatch, timed_at = dispatch_seconds(hw, model_cfg, method, runtime, batch, prompt_len, kinds)
+        return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch,
+                            context_seconds(hw, model_cfg, method, runtime, batch, kinds), timed_at,
+                            census_events(hw, model_cfg, method, runtime, batch, kinds))
+    dispatch, context, events = from_census(hw, cen or census_of(model_cfg, method, runtime, batch, kinds))
+    return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch, context,
+                        0, events)
 
 
 def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_len: int) -> float:
@@ -499,11 +660,17 @@ def memory(shape: Shape, plan_: Plan, method, batch: int, max_len: int) -> dict:
 def summarize(steps: list[dict], warmup: int, batch: int) -> dict:
     keep = steps[min(warmup, max(len(steps) - 1, 0)):]
     med = {k: statistics.median(r[k] for r in keep) * 1e3 for k in
-           ("step_s", "compute_s", "speculation_s", "exposed_transfer_s", "host_s", "transfer_s")}
+           ("step_s", "compute_s", "speculation_s", "exposed_transfer_s", "host_s", "transfer_s", "sync_wait_s",
+            "join_wait_s", "host_work_s", "host_busy_s")}
     return {
         "decode_ms_median": med["step_s"], "modelled_decode_ms_per_token": med["step_s"],
         "tokens_per_s": batch * 1e3 / statistics.fmean(r["step_s"] * 1e3 for r in keep),
         "compute_ms": med["compute_s"], "speculation_ms": med["speculation_s"],
         "exposed_transfer_ms": med["exposed_transfer_s"], "host_ms": med["host_s"], "transfer_ms": med["transfer_s"],
+        # the launching thread's time not spent dispatching: waiting for the device at host synchronisations,
+        # blocked on the link's jobs, host tensor work (compactions, blocking reads)
+        "sync_wait_ms": med["sync_wait_s"], "syncs_per_step": statistics.median(r["syncs"] for r in keep),
+        "join_wait_ms": med["join_wait_s"], "host_work_ms": med["host_work_s"],
+        "host_busy_ms": med["host_busy_s"],  # the link worker's host work, hidden or not
         "h2d_bytes_per_token": statistics.fmean(r["h2d_bytes"] for r in keep),
     }

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import torch
 
 from infinigen.adapter import KVStore
+from infinigen.offload import kernels
 from infinigen.offload.codecs import token_major
 from infinigen.offload.link import Fetched, Link, Slot
 
@@ -20,7 +21,7 @@ class HostPool:
         self.flat = self.data.view(-1, width)
         self.hwm = 0
         self.written = None  # event after the latest device->host write into `data`
-        self.jobs: list[Future] = []  # queued host scatters (their errors surface at the next fetch)
+        self.jobs: list[Future] = []  # queued host scatters: a fetch of this pool waits for them on its worker
         self._landing: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._flip = 0
         self._heads = torch.arange(bh)
@@ -33,20 +34,19 @@ class HostPool:
     def write(self, start: int, rows: torch.Tensor) -> None:
         """rows (t, b*h_kv, W) on the device -> slots start..start+t (contiguous pools: slot = entry index)."""
         t = rows.shape[0]
-        ready = self.link.compute_event()
-        with self.link.side():
-            self.link.side_wait(ready)
+        with self.link.back():
             self.data[start : start + t].copy_(rows, non_blocking=self.link.cuda)
             done = self.link.event()
-            done.record(self.link.stream)
-        self.link.keep_alive(rows)
+            done.record(self.link.back_stream)
+        self.link.keep_alive(rows, stream=self.link.back_stream)
         self.written = done
         self.hwm = max(self.hwm, start + t)
         self.d2h_bytes += rows.numel() * rows.element_size()
 
     def scatter(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Evicting pools: rows (b*h_kv, W) go to per-head free slots (b*h_kv,), both on the device. The slot
-        indices are device values, so the host-side write waits for them on the worker, never on this thread."""
+        indices are device values, so the host-side write waits for them on the write-back worker, never on
+        this thread."""
         done = None
         if self.link.cuda:
             k, self._flip = self._flip, self._flip ^ 1  # double-buffered: step t+2 reuses step t's landing pair,
@@ -54,41 +54,47 @@ class HostPool:
                 self._landing[k] = (torch.empty_like(rows, device="cpu", pin_memory=True),
                                     torch.empty_like(slots, device="cpu", pin_memory=True))
             r_host, s_host = self._landing[k]
-            ready = self.link.compute_event()
-            with self.link.side():
-                self.link.side_wait(ready)
+            with self.link.back():
                 r_host.copy_(rows, non_blocking=True)
                 s_host.copy_(slots, non_blocking=True)
                 done = self.link.event()
-                done.record(self.link.stream)
-            self.link.keep_alive(rows, slots)
+                done.record(self.link.back_stream)
+            self.link.keep_alive(rows, slots, stream=self.link.back_stream)
         else:
             r_host, s_host = rows, slots
 
-        def job():
+        def job() -> int:
             if done is not None:
                 done.synchronize()
             self.flat.index_copy_(0, s_host * self.bh + self._heads, r_host)
             self.hwm = max(self.hwm, int(s_host.max()) + 1)
+            return self.hwm
 
-        self.jobs.append(self.link.submit(job))
+        self.jobs.append(self.link.submit_write(job))
         self.d2h_bytes += rows.numel() * rows.element_size() + slots.numel() * slots.element_size()
 
-    def settle(self) -> None:
+    def settle(self, wait: bool = False) -> None:
+        """Forget the scatters that have run (raising what one raised); waits for the others only if asked."""
+        running = []
         for job in self.jobs:
-            job.result()
-        self.jobs.clear()
+            if wait or job.done():
+                job.result()
+            else:
+                running.append(job)
+        self.jobs = running
 
     def prefix_job(self, n: int | None, slot: Slot | None):
-        """Rows [0, n) (n=None: every row written so far, read when the job runs, after queued scatters)."""
-        link = self.link
+        """Rows [0, n) (n=None: every row this pool's writes issued so far reach, once they have run; a write
+        issued later may run first on its own thread, and is not counted)."""
+        link, writes, hwm = self.link, list(self.jobs), self.hwm
 
         def job() -> Fetched:
             t0 = link.clock()
-            src = self.data[: self.hwm if n is None else n]
+            reached = max([hwm] + [w.result() for w in writes])
+            src = self.data[: reached if n is None else n]
             nbytes = src.numel() * src.element_size()
             if slot is None:
-                return Fetched(src, None, nbytes, link.clock() - t0)
+                return Fetched(src, src.shape[0] * src.shape[1], nbytes, link.clock() - t0)
             start, end = link.event(timing=True), link.event(timing=True)
             with link.side():
                 link.side_wait(slot.free)
@@ -96,44 +102,83 @@ class HostPool:
                 dst = slot.dev[: src.numel()].view(src.shape)
                 dst.copy_(src, non_blocking=link.cuda)
                 end.record(link.stream)
-            return Fetched(dst, None, nbytes, link.clock() - t0, end, start, slot)
+            return Fetched(dst, src.shape[0] * src.shape[1], nbytes, link.clock() - t0, end, start, slot)
 
         return job
 
-    def gather_job(self, src_idx: torch.Tensor, dest: torch.Tensor | None, slot: Slot | None):
-        """Rows at flat indices src_idx (m,) of (slots * b*h_kv, W), gathered on the host, then copied."""
-        written, link = self.written, self.link  # writes issued later touch rows this job never reads
+    def gather_job(self, rows: torch.Tensor, moved: torch.Tensor, slot: Slot | None):
+        """The first `moved` (a device count) of rows (n,), flat indices into (slots * b*h_kv, W) in ascending
+        order (the runtime's `sorted_rows`), gathered on the host, then copied: only they cross, and the host
+        sweeps the pool once. With a landing slot the indices reach the host by one non-blocking copy (int32, the
+        count last) that the job waits for on its worker: the thread launching kernels never waits for them."""
+        written, writes, link = self.written, list(self.jobs), self.link  # later writes touch rows never read here
+        if slot is None:  # host == device: the indices are already where the gather runs
+
+            def job() -> Fetched:
+                t0 = link.clock()
+                for w in writes:
+                    w.result()
+                index = rows[: int(moved)]
+                t1 = link.clock()
+                out = self.flat.index_select(0, index)
+                return Fetched(out, out.shape[0], out.numel() * out.element_size(), link.clock() - t0,
+                               gather_s=link.clock() - t1)
+
+            return job
+        n = rows.numel()
+        host_index = slot.host_index[: n + 1]
+        payload = torch.cat([rows, moved.view(1)]).to(torch.int32)  # (n + 1,)
+        with link.back():
+            host_index.copy_(payload, non_blocking=link.cuda)
+            landed = link.event()
+            landed.record(link.back_stream)
+        link.keep_alive(payload, stream=link.back_stream)
 
         def job() -> Fetched:
             t0 = link.clock()
+            landed.synchronize()
             if written is not None:
                 written.synchronize()
-            m = src_idx.numel()
-            nbytes = m * self.width * self.flat.element_size()
-            if slot is None:
-                return Fetched(self.flat.index_select(0, src_idx), dest, nbytes, link.clock() - t0)
+            for w in writes:
+                w.result()
+            m = int(host_index[n])
             slot.copied.synchronize()  # the landing buffer's previous copy has left it
-            host = slot.host[: m * self.width].view(m, self.width)
-            torch.index_select(self.flat, 0, src_idx, out=host)
-            if dest is not None:
-                slot.host_dest[:m].copy_(dest)
             start, end = link.event(timing=True), link.event(timing=True)
             with link.side():
                 link.side_wait(slot.free)
                 start.record(link.stream)
-                dst = slot.dev[: m * self.width].view(m, self.width)
-                dst.copy_(host, non_blocking=link.cuda)
-                d = None
-                if dest is not None:
-                    d = slot.dest[:m]
-                    d.copy_(slot.host_dest[:m], non_blocking=link.cuda)
+            out = slot.dev[: m * self.width].view(m, self.width)
+            t1 = link.clock()
+            link.gather(self.flat, host_index[:m], slot.host[: m * self.width].view(m, self.width), out)
+            t2 = link.clock()
+            with link.side():
                 end.record(link.stream)
                 slot.copied.record(link.stream)
-            return Fetched(dst, d, nbytes, link.clock() - t0, end, start, slot)
+            return Fetched(slot.dev, m, m * self.width * self.flat.element_size(), link.clock() - t0, end, start,
+                           slot, gather_s=t2 - t1)
 
         return job
 
-
+    def zero_copy_job(self, src: torch.Tensor, valid: torch.Tensor, slot: Slot) -> Fetched:
+        """The rows at src (b*h_kv, k) where valid, read from the pinned pool by a device program on the side stream
+        (CUDA's unified addressing): only they cross, no host thread touches them, and nothing waits on the host.
+        A pool that evicts is written by a host thread, which the device cannot wait for: host gathers only."""
+        link = self.link
+        bh, k = src.shape
+        rows = slot.dev[: bh * k * self.width].view(bh * k, self.width)
+        start, end = link.event(timing=True), link.event(timing=True)
+        with link.side():
+            link.side_wait(link.compute_event())  # the selection
+            link.side_wait(slot.free)
+            if self.written is not None:
+                link.side_wait(self.written)
+            start.record(link.stream)
+            kernels.gather_rows(self.flat, src, valid, rows)
+            end.record(link.stream)
+        link.keep_alive(src, valid)
+        moved = valid.sum()
+        return Fetched(slot.dev, moved, moved * self.width * self.flat.element_size(), 0.0, end, start, slot,
+                       padded=True)
 
 
 class PoolStore(KVStore):
@@ -149,7 +194,9 @@ class PoolStore(KVStore):
         self.on_host = False
         self.fresh: torch.Tensor | None = None
         self.fresh_key: torch.Tensor | None = None  # the current token's key as the layer computed it (b, h_kv, 1, d)
-        self.gathered: tuple[torch.Tensor, torch.Tensor | None] | None = None  # rows (b, h_kv, k, W), valid
+        # what a gathering step attends: rows (b, h_kv, k + 1, W), the current token's last, and their mask
+        # (b, h_kv, 1, k + 1) (False: a row a head did not select)
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def stored(self) -> int:
@@ -161,8 +208,8 @@ class PoolStore(KVStore):
     def to_host(self) -> None:
         b, hk, s, _ = self.keys.shape
         self.pool.write(0, token_major(self.codec.encode(self.keys, self.values)))
-        self.entries["slot"] = torch.arange(s, device=self.keys.device).expand(b, hk, s).contiguous()
-        self.keys = self.values = None
+        self.append_entries(slot=torch.arange(s, device=self.keys.device).expand(b, hk, s))
+        self.keys = self.values = self._buffers = None  # the prefill's KV lives in the pool now
         self.on_host = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -179,7 +226,7 @@ class PoolStore(KVStore):
         else:
             slot = torch.full((b, hk), n, device=key_states.device)
             self.pool.write(n, rows.reshape(1, b * hk, -1))
-        self.entries["slot"] = torch.cat([self.entries["slot"], slot[..., None]], dim=-1)
+        self.append_entries(slot=slot[..., None])
         self.fresh, self.fresh_key = rows, key_states
         return key_states, value_states
 
@@ -204,8 +251,6 @@ class PoolStore(KVStore):
     def selected(self, keep: torch.Tensor):
         if self.gathered is None:
             return super().selected(keep)
-        rows, valid = self.gathered
-        keys, values = self.codec.decode(torch.cat([rows, self.fresh], dim=2))  # (b, h_kv, k + 1, d)
-        if valid is None:
-            return keys, values, None
-        return keys, values, torch.cat([valid, valid.new_ones(*valid.shape[:2], 1)], dim=-1)[:, :, None]
+        rows, mask = self.gathered
+        keys, values = self.codec.decode(rows)  # (b, h_kv, k + 1, d)
+        return keys, values, mask

@@ -9,10 +9,14 @@ it against sim mode for every method in conf/method/). InfiniGen's recall statis
 device and is not tracked here.
 
 Pools are token-major, (slots, b*h_kv, W), so a prefix is one contiguous DMA; a row is whatever the method's
-codec stores (K|V by default). On CUDA pools are pinned, copies run on a side stream ordered by events, and the
-host-side work (gathers into pinned landing buffers, scatters of new rows) runs on one worker thread so the thread
-that launches kernels never waits for it. On CPU host and device coincide: nothing is copied, the bytes are
-counted, and the link is modelled (`Timer.modelled_steps`).
+codec stores (K|V by default). On CUDA pools are pinned, host->device copies run on a side stream and
+device->host ones (new rows, selected indices) on a write-back stream, ordered by events; host-side work runs on
+worker threads (fetches in issue order, a gather's slices on `gather_threads` intra-op threads; write-backs on
+their own), and the thread that launches kernels never waits for the device: a gathering method's selection has static shapes
+(`GatheringMethod.select_indices`), its indices reach the host on the gather's own copy, and the gathered rows
+are put in place on the device (gather=zero_copy: a device program reads them from the pinned pool instead).
+On CPU host and device coincide: nothing is copied, the bytes are counted, and the link is modelled
+(`Timer.modelled_steps`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from infinigen.offload.pool import PoolStore
 from infinigen.offload.timing import PCIE4_X16_GBPS, Timer
 
 RUNTIMES = ("auto", "ideal", "offload")
+# How a gathering layer's selected rows reach the device: `host` threads gather them into pinned staging, then
+# copies cross (the paper's runtime); `zero_copy` a device program reads them from the pinned pool (CUDA;
+# ShadowKV's gather), with no host thread and no index copy
+GATHERS = ("host", "zero_copy")
 
 
 def run_kind(method, runtime: str = "auto") -> str:
@@ -123,6 +131,7 @@ class Report:
     logits: torch.Tensor | None = None  # (b, steps (+1 with the prefill's), V) when kept
     tokens: torch.Tensor | None = None  # (b, steps) fed after the prompt
     fetch_log: list[tuple] = field(default_factory=list)  # (step, layer, bytes, rows or None)
+    host_gather_gbps: float | None = None  # selected rows' bytes over the host threads' gather seconds
 
     def metrics(self, warmup: int, link_gbps: float) -> dict:
         """Medians/means over the steps after `warmup`; every number the CPU link model produces is modelled_*."""
@@ -150,6 +159,8 @@ class Report:
             "link_gbps": link_gbps,
             "modelled_transfer_ms_per_token": h2d / (link_gbps * 1e9) * 1e3,
         }
+        if self.host_gather_gbps is not None:
+            out["host_gather_gbps"] = self.host_gather_gbps
         for name in ("attention_ms", "ffn_ms", "speculation_ms", "wait_ms", "transfer_ms", "link_host_ms", "other_ms",
                      "compute_ms"):
             if rows and name in rows[0]:
@@ -170,20 +181,26 @@ class OffloadRuntime:
     """Runs a KV method's decode with its KV where its declaration (and `runtime`) puts it."""
 
     def __init__(self, model, method, runtime: str = "auto", link_gbps: float = PCIE4_X16_GBPS,
-                 threaded: bool | None = None, copies: bool | None = None, clock=time.perf_counter):
+                 threaded: bool | None = None, copies: bool | None = None, clock=time.perf_counter,
+                 gather_threads: int | None = None, gather: str = "host"):
         if not link_gbps > 0:
             raise ValueError(f"link_gbps must be > 0 (GB/s), got {link_gbps}")
+        if gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+        self.gather = gather
         self.kind = run_kind(method, runtime)
         self.model, self.method, self.runtime = model, method, runtime
         self.link_gbps, self.threaded, self.copies, self.clock = link_gbps, threaded, copies, clock
+        self.gather_threads = gather_threads
         self.device = next(model.parameters()).device
         self.layers = adapter.attention_layers(model)
 
     # ------------------------------------------------------------------ shared by the executors
-    def staging(self, name: str, elems: int, dtype, gather_rows: int = 0, width: int = 0) -> list[Slot] | None:
+    def staging(self, name: str, elems: int, dtype, gather_rows: int = 0, width: int = 0,
+                index_slots: int = 0) -> list[Slot] | None:
         """The two landing slots every fetch of one executor kind alternates between (None without copies)."""
         if name not in self._staging:
-            self._staging[name] = self.link.staging(elems, dtype, gather_rows, width)
+            self._staging[name] = self.link.staging(elems, dtype, gather_rows, width, index_slots)
         return self._staging[name]
 
     def next_slot(self, slots: list[Slot]) -> Slot:
@@ -191,7 +208,8 @@ class OffloadRuntime:
         self._flips[id(slots)] = k + 1
         return slots[k % 2]
 
-    def account(self, layer_index: int, nbytes: int, rows: int | None) -> None:
+    def account(self, layer_index: int, nbytes, rows) -> None:
+        """A fetch's bytes and rows (ints, or device counts read once the run is over)."""
         self.h2d_bytes[-1] += nbytes
         self.fetch_log.append((len(self.h2d_bytes) - 1, layer_index, nbytes, rows))
 
@@ -226,9 +244,10 @@ class OffloadRuntime:
         if teacher is not None and teacher.shape != (b, gen_len):
             raise ValueError(f"teacher must be (batch, gen_len) = {(b, gen_len)}, got {tuple(teacher.shape)}")
         max_len = P + gen_len
-        self.link = Link(self.device, self.threaded, self.copies, self.clock)
+        self.link = Link(self.device, self.threaded, self.copies, self.clock, self.gather_threads)
         self.timer = Timer(self.link)
         self.h2d_bytes, self.fetch_log, self.last_step = [], [], False
+        self.gathers: list[tuple] = []  # (bytes, host seconds) of each host gather
         self._tally = {"attended": [], "fetched": []}
         self._staging, self._flips = {}, {}
         executors = [EXECUTORS[layer_kind(self.method, layer, self.runtime)](self, self.method, layer)
@@ -273,6 +292,12 @@ class OffloadRuntime:
                 h.remove()
             self.link.close()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        # counts a device program left on the device (a zero-copy gather's), read now that the run is over
+        self.h2d_bytes = [int(x) for x in self.h2d_bytes]
+        self.fetch_log = [(s, i, int(n), None if r is None else int(r)) for s, i, n, r in self.fetch_log]
+        for f in self.timer.fetches.values():
+            f["bytes"] = int(f["bytes"])
+        gathered = [(int(n), t) for n, t in self.gathers]
         pools = [s.pool for s in stores if isinstance(s, PoolStore)]
         staging = sum(sl.dev.numel() * sl.dev.element_size() for slots in self._staging.values() for sl in slots or [])
         return Report(
@@ -287,6 +312,8 @@ class OffloadRuntime:
             peak_device_bytes=peak, tallies={k: _sum(v) for k, v in self._tally.items()},
             logits=torch.stack(logits_out, dim=1) if keep_logits else None,
             tokens=torch.cat(fed, dim=1) if fed else None, fetch_log=self.fetch_log,
+            host_gather_gbps=(sum(n for n, _ in gathered) / sum(t for _, t in gathered) / 1e9
+                              if gathered and sum(t for _, t in gathered) > 0 else None),
         )
 
 

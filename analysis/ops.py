@@ -1,0 +1,236 @@
+"""The op and host-sync census in the report: the rows experiments/bench_ops.py writes (task `ops`,
+metrics.benchmark = "ops"), as the decode table (ops and host syncs per layer per steady decode step through the
+offloading runtime, per method, runtime, tiny model, batch and prompt) and the sim table (ops and syncs of one
+sim-mode forward per method, model and length).
+
+Only rows of a method's conf/method defaults are shown (`--set` overrides are kept in the store, not tabulated);
+a row whose recorded method config differs from conf/method today is stale: counted in the verdict, left out.
+Of several rows of one point the newest is shown.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from analysis import figures as F
+
+ROOT = Path(__file__).resolve().parent.parent
+# the paper's rows: their steady decode step must not synchronise the host (tests/test_bench_ops.py, THE GATE)
+PAPER_ROWS = (("full", "ideal"), ("full", "auto"), ("offload", "auto"), ("quant", "auto"), ("h2o", "auto"),
+              ("infinigen", "auto"))
+COMMAND = "make bench-ops && make export WHERE=task=ops && make report"
+
+
+def is_ops(df: pd.DataFrame) -> pd.Series:
+    return F.column(df, "metrics.benchmark") == "ops"
+
+
+def _today(method: str) -> dict | None:
+    path = ROOT / "conf" / "method" / f"{method}.yaml"
+    if not path.exists():
+        return None
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    cfg.pop("calib_data_dir", None)
+    return cfg
+
+
+def _stale(row: pd.Series) -> bool:
+    recorded = row.get("config.method")
+    return not isinstance(recorded, dict) or recorded != _today(row["method"])
+
+
+def _mode(df: pd.DataFrame, mode: str) -> pd.DataFrame:
+    """Rows of one mode at conf/method defaults, the newest per point; stale ones dropped (counted in attrs)."""
+    if df.empty:
+        return df
+    rows = df[is_ops(df) & (F.column(df, "metrics.mode") == mode)]
+    rows = rows[F.column(rows, "task_params.overrides").map(lambda o: not o)]
+    stale = rows.apply(_stale, axis=1) if not rows.empty else pd.Series(dtype=bool)
+    fresh = rows[~stale] if not rows.empty else rows
+    if not fresh.empty:
+        keys = [k for k in ("method", "model", "task_params.runtime", "task_params.batch_size",
+                            "task_params.prompt_len", "task_params.tokens") if k in fresh]
+        point = ["|".join(map(str, r)) for r in fresh[keys].itertuples(index=False)]
+        newest = [str(t) for t in F.column(fresh, "meta.finished")]
+        fresh = fresh.assign(_point=point, _t=newest).sort_values(["_point", "_t"])
+        fresh = fresh.drop_duplicates("_point", keep="last").drop(columns=["_point", "_t"])
+    fresh = fresh.copy()
+    fresh.attrs["stale"] = int(stale.sum()) if len(stale) else 0
+    return fresh
+
+
+def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
+    return _mode(df, "decode")
+
+
+def sim_rows(df: pd.DataFrame) -> pd.DataFrame:
+    return _mode(df, "sim")
+
+
+def _points(rows: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "method": rows["method"], "runtime": F.column(rows, "task_params.runtime"), "model": rows["model"],
+        "batch": F.metric(rows, "batch_size").astype(int), "prompt": F.metric(rows, "prompt_len").astype(int),
+        "ops": F.metric(rows, "ops_per_layer_step"), "syncs": F.metric(rows, "syncs_per_layer_step"),
+        "waits": F.metric(rows, "waits_per_layer_step"), "sync_ops": F.column(rows, "metrics.sync_ops"),
+        "sync_sites": F.column(rows, "metrics.sync_sites"),
+    })
+
+
+def _count(v: float) -> str:
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:.2f}"
+
+
+def _sync_text(counts) -> str:
+    if not isinstance(counts, dict) or not counts:
+        return "-"
+    return ", ".join(f"{k} {_count(v)}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _order(df: pd.DataFrame) -> pd.DataFrame:
+    paper = {row: i for i, row in enumerate(PAPER_ROWS)}
+    rank = [paper.get((m, r), len(paper)) for m, r in zip(df["method"], df["runtime"])]
+    return (df.assign(_paper=rank).sort_values(["_paper", "method", "runtime", "model"], kind="stable")
+            .drop(columns="_paper").reset_index(drop=True))
+
+
+def decode_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (method, runtime, model): ops and host syncs per layer per steady decode step at each
+    batch x prompt, the main thread's waits on the link per layer-step (the most of any point), and the syncs
+    per step by op at the point with the most."""
+    pts = _points(rows)
+    if pts.empty:
+        return pd.DataFrame(columns=["method", "runtime", "model"])
+    sizes = sorted(set(zip(pts["batch"], pts["prompt"])))
+    out = []
+    for (method, runtime, model), group in pts.groupby(["method", "runtime", "model"], sort=False):
+        at = {(r.batch, r.prompt): r for r in group.itertuples()}
+        line = {"method": method, "runtime": runtime, "model": model}
+        line |= {f"ops/layer {b} x {p}": round(at[(b, p)].ops, 1) if (b, p) in at else None for b, p in sizes}
+        line |= {f"syncs/layer {b} x {p}": round(at[(b, p)].syncs, 2) if (b, p) in at else None for b, p in sizes}
+        line["waits/layer"] = round(group["waits"].max(), 2)
+        worst = group.sort_values(["syncs", "batch", "prompt"]).iloc[-1]  # of equals, the largest point
+        line["syncs per step, by op (point with the most)"] = (
+            f"{_sync_text(worst['sync_ops'])} ({worst['batch']} x {worst['prompt']})" if worst["syncs"] > 0 else "-")
+        out.append(line)
+    return _order(pd.DataFrame(out))
+
+
+def decode_verdict(rows: pd.DataFrame) -> list[str]:
+    pts = _points(rows)
+    if pts.empty:
+        return [f"not computed: the store has no decode rows of experiments/bench_ops.py (`{COMMAND}`)"]
+    worst = pts.groupby(["method", "runtime"])["syncs"].max()
+    paper = [(m, r) for m, r in PAPER_ROWS if (m, r) in worst.index]
+    syncing = [(m, r) for m, r in paper if worst[(m, r)] > 0]
+    name = lambda m, r: f"{m} ({r})" if (m, r) != (m, "auto") else m  # noqa: E731
+    if syncing:
+        line = ("paper rows whose steady decode step synchronises the host (most syncs per layer-step over the "
+                "points): " + ", ".join(f"{name(m, r)} {worst[(m, r)]:.2g}" for m, r in syncing))
+        clean = [name(m, r) for m, r in paper if (m, r) not in syncing]
+        line += f"; none: {', '.join(clean)}" if clean else ""
+    else:
+        line = f"no host sync in a steady decode step of any paper row ({', '.join(name(m, r) for m, r in paper)})"
+    out = [line]
+    ig = pts[(pts["method"] == "infinigen") & (pts["runtime"] == "auto") & (pts["model"] == "tiny-llama-gqa")]
+    ops = {(r.batch, r.prompt): r.ops for r in ig.itertuples()}
+    if {(1, 512), (1, 2048), (8, 512), (8, 2048)} <= set(ops):
+        growth = max(ops[(b, 2048)] / ops[(b, 512)] for b in (1, 8))
+        equal = all(ops[(1, p)] == ops[(8, p)] for p in (512, 2048))
+        out.append("InfiniGen's ops per layer-step on tiny-llama-gqa: "
+                   + ", ".join(f"{b} x {p}: {v:.1f}" for (b, p), v in sorted(ops.items()))
+                   + f"; prompt 2048 / 512 up to {growth:.3f}x (gate <= 1.05), batch 8 "
+                   + ("equals batch 1" if equal else "differs from batch 1 (gate: equal)"))
+    others = worst[[(m, r) not in PAPER_ROWS for m, r in worst.index]]
+    others = others[others > 0].sort_values(ascending=False, kind="stable")
+    if not others.empty:
+        out.append("other methods with host syncs per layer-step: "
+                   + ", ".join(f"{name(m, r)} {v:.2g}" for (m, r), v in others.items()))
+    if rows.attrs.get("stale"):
+        out.append(f"{rows.attrs['stale']} stored point(s) left out: their method config differs from conf/method "
+                   f"today (`{COMMAND}`)")
+    return out
+
+
+def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (method, model): ops and host syncs of one sim forward at each length ("skipped" where the
+    benchmark projected the point past its time budget), and the syncs by op at the longest counted length."""
+    if rows.empty:
+        return pd.DataFrame(columns=["method", "model"])
+    pts = pd.DataFrame({
+        "method": rows["method"], "model": rows["model"], "tokens": F.metric(rows, "tokens").astype(int),
+        "dense": F.metric(rows, "dense_rows").astype(int), "ops": F.metric(rows, "ops"),
+        "layers": F.metric(rows, "layers"), "syncs": F.metric(rows, "syncs"),
+        "skipped": F.column(rows, "metrics.skipped"), "sync_ops": F.column(rows, "metrics.sync_ops"),
+    })
+    lengths = sorted(pts["tokens"].unique())
+    out = []
+    for (method, model), group in pts.groupby(["method", "model"], sort=True):
+        at = {r.tokens: r for r in group.itertuples()}
+        counted = group[group["ops"].notna()]
+        line = {"method": method, "model": model,
+                "layers": int(counted["layers"].iloc[0]) if not counted.empty else None,
+                "prompt rows": "half" if (group["dense"] > 0).any() else "0"}
+        for kind in ("ops", "syncs"):
+            for n in lengths:
+                r = at.get(n)
+                line[f"{kind} {n}"] = ("" if r is None else "skipped" if pd.isna(getattr(r, kind))
+                                       else f"{int(getattr(r, kind)):,}")
+        line["ops per added token and layer"] = _marginal(counted)
+        last = counted.sort_values("tokens").iloc[-1] if not counted.empty else None
+        line["syncs by op (longest counted)"] = (f"{_sync_text(last['sync_ops'])} ({last['tokens']})"
+                                                if last is not None and last["syncs"] > 0 else "-")
+        out.append(line)
+    return pd.DataFrame(out).sort_values(["model", "method"], kind="stable").reset_index(drop=True)
+
+
+# ops per added token and layer from which a method's sim forward loops over rows in Python (H2O: ~12, TOVA:
+# ~29, StreamingLLM's window starts: 1); the others grow by sim attention's row chunks (infinigen/contract.py:
+# 256 rows each): ~0.4-0.7
+PER_ROW = 1.0
+
+
+def _marginal(counted: pd.DataFrame) -> float | None:
+    """Ops per added token and layer between the shortest and the longest counted length."""
+    if counted["tokens"].nunique() < 2:
+        return None
+    lo, hi = counted.loc[counted["tokens"].idxmin()], counted.loc[counted["tokens"].idxmax()]
+    return round((hi["ops"] - lo["ops"]) / (hi["tokens"] - lo["tokens"]) / hi["layers"], 2)
+
+
+def sim_verdict(rows: pd.DataFrame) -> list[str]:
+    if rows.empty:
+        return [f"not computed: the store has no sim rows of experiments/bench_ops.py (`{COMMAND}`)"]
+    pts = pd.DataFrame({"method": rows["method"], "model": rows["model"], "tokens": F.metric(rows, "tokens"),
+                        "ops": F.metric(rows, "ops"), "layers": F.metric(rows, "layers"),
+                        "syncs": F.metric(rows, "syncs")})
+    out = []
+    for model, group in pts.groupby("model", sort=False):
+        counted = group.dropna(subset=["ops"])
+        if counted.empty:
+            continue
+        hi = counted["tokens"].max()
+        slope = {m: _marginal(g) for m, g in counted.groupby("method")}
+        looping = sorted((m for m, v in slope.items() if v is not None and v >= PER_ROW), key=lambda m: -slope[m])
+        full = counted[(counted["method"] == "full") & (counted["tokens"] == hi)]
+        line = f"{model}: "
+        if not full.empty:
+            line += (f"full attention dispatches {int(full['ops'].iloc[0]):,} ops at {int(hi)} tokens, whatever the "
+                     "length; ")
+        line += ("per-row Python loops (ops per added token and layer): "
+                 + ", ".join(f"{m} {slope[m]:.3g}" for m in looping) if looping
+                 else "no method loops over rows in Python")
+        chunked = [m for m, v in slope.items() if v is not None and 0 < v < PER_ROW]
+        if chunked:
+            line += f"; {len(chunked)} more grow by sim attention's row chunks (< {PER_ROW:g} op per token and layer)"
+        skipped = int(group["ops"].isna().sum())
+        if skipped:
+            line += f"; {skipped} point(s) skipped (projected past the benchmark's time budget)"
+        out.append(line)
+    if rows.attrs.get("stale"):
+        out.append(f"{rows.attrs['stale']} stored point(s) left out: their method config differs from conf/method "
+                   f"today (`{COMMAND}`)")
+    return out or [f"not computed: no counted sim point (`{COMMAND}`)"]

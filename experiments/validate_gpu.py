@@ -1,0 +1,324 @@
+"""The performance model against measured GPU rows: modelled beside measured decode ms/token, with the terms that
+explain each.
+
+    python -m experiments.validate_gpu              # the first GPU measurement (docs/gpu/, H200, runtime at
+                                                    # 2f67c00 + the one-line fix) on the committed census of that
+                                                    # code and the interim profile conf/hardware/h200_pcie5_measured
+    python -m experiments.validate_gpu --rows OUT/latency.jsonl --profile OUT/profile.yaml --census live \
+        --out OUT/latency_modelled.jsonl            # rows measured by this checkout's runtime (gpu_check.sh)
+    python -m experiments.validate_gpu --census-from /path/to/checkout --write-census docs/gpu/census_2f67c00.json
+
+Measured rows are experiments/latency.py's JSONL lines (`row`, `decode_ms_median`, `h2d_bytes_per_token`, the
+runtime's segment times). Each is modelled (infinigen/offload/perf.py) at its own batch, prompt, generated and
+warm-up steps, on the model's shape and dtype, with the census of the code that ran it: `live` counts this
+checkout's runtime; a census file keeps another version's (`--census-from DIR` runs this checkout's census and
+model code against the runtime, methods and configs of the checkout DIR, in a temporary overlay, and writes what
+the model reads of it, with the layers' kinds and the speculation point it declared). A gathering row is modelled
+with the rows it moved: its measured host->device bytes per step over its gathering layers' rows.
+
+Everything printed under "modelled" is the model's; "measured" columns are the row's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = ROOT / "docs" / "gpu"
+FIRST_ROWS = GPU / "h200_opt13b_b20_p1920_g32.jsonl"
+FIRST_CENSUS = GPU / "census_2f67c00.json"
+FIRST_PROFILE = ROOT / "conf" / "hardware" / "h200_pcie5_measured.yaml"
+# the 2f67c00 runtime gathers with ONE index_select on its one worker thread, at torch's intra-op thread count,
+# which defaults to the host's physical cores: 16 on that H200 host (lscpu on a lent H200 of the same kind: 16
+# cores, 1 thread per core; torch reported 16 intra-op threads: docs/gpu/run_20261204/gpu_check.log)
+FIRST_GATHER_THREADS = 16
+# the rows of experiments/latency.py at 2f67c00: row -> (conf/method, overrides, task overrides)
+ROWS_2F67C00 = {
+    "ideal": ("full", {}, {}),
+    "offload": ("offload", {}, {}),
+    "quant-int4": ("quant", {"bits": 4, "group_size": 64}, {}),
+    "h2o": ("h2o", {"heavy": 0.1, "recent": 0.1}, {}),
+    "infinigen": ("infinigen", {"alpha": 4.0, "partial_ratio": 0.2, "budget": 0.2}, {}),
+}
+WITHIN = 0.25
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def row_table(census_file: dict | None) -> dict:
+    """row name -> (conf/method, overrides, task overrides): the census file's, else experiments/latency.py's."""
+    if census_file is not None:
+        return {name: tuple(entry["row"]) for name, entry in census_file["rows"].items()}
+    from experiments.latency import ROWS
+
+    return ROWS
+
+
+def model_cfg(name: str, dtype: str):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    cfg.dtype = dtype
+    return cfg
+
+
+def method_of(conf: str, overrides: dict):
+    """A method instance from conf/method (no data folder: the model reads declarations, not calibration)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "method" / f"{conf}.yaml"), overrides)
+    root = OmegaConf.create({"data_dir": None, "method": cfg})
+    return instantiate(root.method)
+
+
+class Declared:
+    """A method as another version of the runtime declared it: the layers' kinds and the speculation point a
+    census file recorded; everything else (codec widths, held counts, FLOPs) from this checkout's method."""
+
+    def __init__(self, method, kinds: list[str], speculation_point: str | None):
+        self._method, self._kinds, self._point = method, kinds, speculation_point
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    @property
+    def offload(self) -> str:
+        kinds = set(self._kinds) - {"resident"}
+        return kinds.pop() if kinds else "resident"
+
+    @property
+    def speculation_point(self) -> str:
+        return self._point or "query"
+
+    def offload_kind(self, layer) -> str:
+        return self._kinds[layer.index]
+
+
+def kinds_of(method, cfg, runtime: str) -> list[str]:
+    from infinigen.offload import perf
+    from infinigen.offload.runtime import layer_kind
+
+    shape = perf.Shape.of(cfg)
+    return [layer_kind(method, shape.layer(i), runtime) for i in range(shape.layers)]
+
+
+def fetched_fractions(row: dict, method, cfg, runtime: str) -> list[float] | None:
+    """Per layer, what a gathering row fetched: its measured host->device bytes per step over its gathering
+    layers' rows, as a kv_fraction (selected past + itself, over the mean context of its timed steps). Its
+    `fetched_tokens_mean` averages in the dense layers' zeros (InfiniGen's layer 0: 377.8 of 387.5)."""
+    from infinigen.offload import perf
+
+    shape = perf.Shape.of(cfg)
+    plan = perf.plan(method, shape, runtime, row["prompt_len"] + row["gen_len"])
+    gathering = [i for i, k in enumerate(plan.kinds) if k == "gather"]
+    if not gathering:
+        return None
+    per_row = sum(plan.row_bytes[i] for i in gathering) * row["batch_size"] * shape.kv_heads
+    selected = row["h2d_bytes_per_token"] / per_row
+    warmup = row.get("gen_len", 0) - row.get("measured_steps", row.get("gen_len", 0))
+    seen = row["prompt_len"] + 1 + (warmup + row["gen_len"] - 1) / 2
+    f = (selected + 1) / seen
+    return [f if k == "gather" else 1.0 for k in plan.kinds]
+
+
+def model_row(row: dict, hw_cfg: dict, entry: dict, census_file: dict | None, host_gbps: float | None = None) -> dict:
+    """The modelled metrics of one measured row (its census from `census_file`, else this checkout's)."""
+    from infinigen.offload import perf
+
+    conf, overrides, task = entry
+    runtime = task.get("runtime", "auto")
+    cfg = model_cfg(row["model"], row.get("dtype", "float16"))
+    method = method_of(conf, overrides)
+    cen = None
+    if census_file is not None:
+        recorded = census_file["rows"][row["row"]]
+        method = Declared(method, recorded["kinds"], recorded["speculation_point"])
+        cen = recorded["census"]
+    hw = perf.hardware({**hw_cfg, **({"host_gbps": host_gbps} if host_gbps else {})})
+    fractions = fetched_fractions(row, method, cfg, runtime)
+    warmup = row["gen_len"] - row.get("measured_steps", row["gen_len"] - 2)
+    steps = perf.modelled_steps(hw, cfg, method, runtime, row["batch_size"], row["prompt_len"], row["gen_len"],
+                                fractions, cen)
+    out = perf.summarize(steps, warmup, row["batch_size"])
+    out["fetch_fraction"] = None if fractions is None else min(fractions)
+    out["profile"] = hw.name
+    return out
+
+
+TERMS = ("compute_ms", "speculation_ms", "host_ms", "exposed_transfer_ms", "sync_wait_ms", "syncs_per_step",
+         "join_wait_ms", "host_work_ms", "transfer_ms")
+MEASURED_TERMS = ("attention_ms", "speculation_ms", "link_host_ms", "transfer_ms", "wait_ms")
+
+
+def table(results: list[tuple[dict, dict]]) -> list[str]:
+    """Markdown-ready lines: measured, modelled, ratio, the modelled terms and the measured segments."""
+    lines = [f"{'row':<20} {'measured':>9} {'modelled':>9} {'ratio':>6}  modelled terms (ms): compute / speculation / "
+             "host gather / exposed link / sync waits (syncs) / joins / host work; link, worker busy  |  measured: "
+             "attention / speculation / host gather / link / wait"]
+    for row, m in results:
+        ratio = m["decode_ms_median"] / row["decode_ms_median"]
+        lines.append(
+            f"{row['row']:<20} {row['decode_ms_median']:>9.1f} {m['decode_ms_median']:>9.1f} {ratio:>6.2f}  "
+            f"{m['compute_ms']:.1f} / {m['speculation_ms']:.1f} / {m['host_ms']:.1f} / "
+            f"{m['exposed_transfer_ms']:.1f} / "
+            f"{m['sync_wait_ms']:.1f} ({m['syncs_per_step']:.0f}) / {m['join_wait_ms']:.1f} / {m['host_work_ms']:.1f}; "
+            f"{m['transfer_ms']:.1f}, worker {m['host_busy_ms']:.1f}  |  "
+            + " / ".join(f"{row.get(k, 0) or 0:.1f}" for k in MEASURED_TERMS))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- census files
+
+
+def dump_census(path: str, rows: list[dict], table_: dict) -> None:
+    """(In the checkout whose runtime is modelled) the census the model reads for each row, its declarations."""
+    from infinigen.offload import census, perf
+
+    census.CACHE = Path(tempfile.mkdtemp(prefix="census-"))
+    out = {"rows": {}}
+    for row in rows:
+        if row["row"] in out["rows"] or row["row"] not in table_:
+            continue
+        conf, overrides, task = table_[row["row"]]
+        runtime = task.get("runtime", "auto")
+        cfg = model_cfg(row["model"], row.get("dtype", "float16"))
+        method = method_of(conf, overrides)
+        kinds = kinds_of(method, cfg, runtime)
+        print(f"census of {row['row']} ({conf}, {row['model']} {cfg.dtype})", file=sys.stderr, flush=True)
+        cen = perf.census_of(cfg, method, runtime, row["batch_size"], kinds)
+        out["rows"][row["row"]] = {
+            "row": [conf, overrides, task], "model": row["model"], "dtype": str(cfg.dtype), "kinds": kinds,
+            "speculation_point": getattr(method, "speculation_point", None) if "gather" in kinds else None,
+            "census": {m: [{seg: round(v, 4) for seg, v in layer.items()} for layer in cen[m]] for m in cen},
+        }
+    Path(path).write_text(json.dumps(out, separators=(",", ":")) + "\n")
+
+
+def census_from(checkout: Path, rows: list[str], write: str, table_name: str) -> None:
+    """Runs this checkout's census and model code against `checkout`'s runtime, methods and configs (a temporary
+    overlay of the two), writing the census file `write`."""
+    checkout = checkout.resolve()
+    overlay = Path(tempfile.mkdtemp(prefix="census-overlay-"))
+    try:
+        for folder in ("infinigen", "baselines", "conf"):
+            shutil.copytree(checkout / folder, overlay / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        for f in ("infinigen/offload/census.py", "infinigen/offload/perf.py"):
+            shutil.copy(ROOT / f, overlay / f)
+        (overlay / "experiments").mkdir()
+        (overlay / "experiments" / "__init__.py").write_text("")
+        shutil.copy(Path(__file__), overlay / "experiments" / "validate_gpu.py")
+        if (checkout / "experiments" / "latency.py").is_file():  # its ROWS
+            shutil.copy(checkout / "experiments" / "latency.py", overlay / "experiments" / "latency.py")
+        commit = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty"], capture_output=True,
+                                text=True).stdout.strip()
+        diff = subprocess.run(["git", "-C", str(checkout), "diff", "--stat"], capture_output=True, text=True).stdout
+        out = Path(write).resolve()
+        env = {"PYTHONPATH": str(overlay), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+        subprocess.run([sys.executable, "-m", "experiments.validate_gpu", "--dump-census", str(out), "--table",
+                        table_name, "--rows", *[str(Path(r).resolve()) for r in rows]], cwd=overlay, env=env,
+                       check=True)
+        data = json.loads(out.read_text())
+        data["code"] = {"checkout": commit, "diff": diff.strip(), "census_and_model": "this checkout's census.py and "
+                        "perf.py over that checkout's runtime, methods and configs"}
+        out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        print(f"-> {out} ({commit})")
+    finally:
+        shutil.rmtree(overlay, ignore_errors=True)
+
+
+def validate(rows: list[str] | None = None, profile: str | None = None, census: str | None = None,
+             gather_threads: int | None = None) -> tuple[list[tuple[dict, dict]], str]:
+    """([(measured row, modelled metrics)], a header line): `main` without the printing. None: the first GPU
+    measurement's rows, its census file, the interim profile and the 2f67c00 runtime's gather threads."""
+    import yaml
+
+    first = rows is None
+    rows_paths = rows or [str(FIRST_ROWS)]
+    profile_path = Path(profile or FIRST_PROFILE)
+    hw_cfg = yaml.safe_load(profile_path.read_text())
+    census_arg = census or (str(FIRST_CENSUS) if first else "live")
+    census_file = None if census_arg == "live" else json.loads(Path(census_arg).read_text())
+    table_ = row_table(census_file)
+    # (a profile without the per-thread table, e.g. a datasheet one, keeps its own host_gbps)
+    threads = gather_threads or (FIRST_GATHER_THREADS if first and hw_cfg.get("host_gbps_threads") else None)
+    host_gbps = None
+    if threads:
+        rates = hw_cfg.get("host_gbps_threads") or {}
+        if threads not in rates:
+            raise ValueError(f"--gather-threads {threads}: the profile's host_gbps_threads has {sorted(rates)}")
+        host_gbps = rates[threads]
+    measured = [r for r in read_rows(rows_paths) if r.get("row") in table_]
+    code = ("this checkout's" if census_file is None
+            else f"{census_arg} ({census_file.get('code', {}).get('checkout', '?')})")
+    header = (f"# {len(measured)} measured rows ({', '.join(rows_paths)}); profile {profile_path.name}; census {code}"
+              + (f"; host gather at {threads} threads: {host_gbps} GB/s read + written" if threads else ""))
+    return [(row, model_row(row, hw_cfg, table_[row["row"]], census_file, host_gbps)) for row in measured], header
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=None, help="measured latency JSONL (default: docs/gpu's batch-20 rows)")
+    p.add_argument("--profile", default=None, help="hardware profile (default: conf/hardware/h200_pcie5_measured.yaml)")
+    p.add_argument("--census", default=None,
+                   help="census file of the code that ran the rows, or `live` (this checkout's); default: "
+                        "docs/gpu/census_2f67c00.json for the default rows, else live")
+    p.add_argument("--gather-threads", type=int, default=None,
+                   help="price the host gather at the profile's host_gbps_threads entry for this many threads "
+                        f"(default: {FIRST_GATHER_THREADS} for the 2f67c00 rows, else the profile's host_gbps)")
+    p.add_argument("--out", default=None, help="write each measured row with its modelled_* metrics (JSONL)")
+    p.add_argument("--census-from", default=None, help="a checkout whose runtime the census file describes")
+    p.add_argument("--write-census", default=None, help="with --census-from: the census file to write")
+    p.add_argument("--dump-census", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--table", default="latency", choices=("latency", "2f67c00"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    first = args.rows is None
+    rows_paths = args.rows or [str(FIRST_ROWS)]
+    if args.dump_census:
+        dump_census(args.dump_census, read_rows(rows_paths), ROWS_2F67C00 if args.table == "2f67c00" else
+                    row_table(None))
+        return 0
+    if args.census_from:
+        if not args.write_census:
+            p.error("--census-from needs --write-census")
+        census_from(Path(args.census_from), rows_paths, args.write_census, "2f67c00" if first else "latency")
+        return 0
+
+    try:
+        results, header = validate(args.rows, args.profile, args.census, args.gather_threads)
+    except ValueError as err:
+        p.error(str(err))
+    print(header, flush=True)
+    for line in table(results):
+        print(line)
+    ratios = [m["decode_ms_median"] / r["decode_ms_median"] for r, m in results]
+    inside = sum(abs(x - 1) <= WITHIN for x in ratios)
+    print(f"# {inside} of {len(ratios)} rows within +-{WITHIN:.0%}; modelled / measured: "
+          + ", ".join(f"{r['row']} {x:.2f}" for (r, _), x in zip(results, ratios)))
+    if args.out:
+        with open(args.out, "w") as f:
+            for row, m in results:
+                # beside the measured row, under names no measured metric has (a CPU row's modelled_* are its link
+                # model's): the performance model's ms/token, its ratio to the measured one, and all its terms
+                f.write(json.dumps({**row, "modelled_perf_ms_per_token": m["decode_ms_median"],
+                                    "modelled_perf_to_measured": m["decode_ms_median"] / row["decode_ms_median"],
+                                    "modelled_perf": m}) + "\n")
+        print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
