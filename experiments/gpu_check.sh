@@ -98,7 +98,7 @@ command -v lscpu > /dev/null && lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|M
 
 profile="$OUT/measured_profile.yaml"
 step "calibrate this GPU (~40 s)" 80 "$PY" -m experiments.calibrate --device cuda --model opt-13b --out "$profile"
-step "latency: OPT-13B shape, float16, batch 20, 1920 + 128: $rows" 260 "$PY" -m experiments.latency --device cuda \
+step "latency: OPT-13B shape, float16, batch 20, 1920 + 128: $rows" 270 "$PY" -m experiments.latency --device cuda \
   --data-dir "$data" --model opt-13b --batch 20 --prompt 1920 --gen 128 \
   --set model.random_init=true model.dtype=float16 task.warmup=4 --rows $rows --out "$OUT/latency.jsonl"
 if [ -f "$OUT/latency.jsonl" ]; then

@@ -152,7 +152,7 @@ def model_row(row: dict, hw_cfg: dict, entry: dict, census_file: dict | None, ho
     fractions = fetched_fractions(row, method, cfg, runtime)
     warmup = row["gen_len"] - row.get("measured_steps", row["gen_len"] - 2)
     steps = perf.modelled_steps(hw, cfg, method, runtime, row["batch_size"], row["prompt_len"], row["gen_len"],
-                                fractions, cen)
+                                fractions, cen, gather=task.get("gather", "host"))
     out = perf.summarize(steps, warmup, row["batch_size"])
     out["fetch_fraction"] = None if fractions is None else min(fractions)
     out["profile"] = hw.name

@@ -61,15 +61,20 @@ class SelectiveAttention(GatheringMethod):
         """(b, h_kv, s, d) keys -> (b, h_kv, s, d) vectors the rows' score vectors are dotted with."""
         raise NotImplementedError
 
-    def sync_store(self, layer: AttentionLayer, store: KVStore) -> None:
+    def sync_store(self, session: Session, layer: AttentionLayer, store: KVStore) -> None:
         """Bring per-entry state up to date with newly appended entries: their score keys (what `select` ranks
-        them by, kept beside the KV so selection never needs the KV itself), fetch counter and last use."""
-        fresh = store.stored - (store.entries["count"].shape[2] if "count" in store.entries else 0)
-        if fresh:
+        them by, kept beside the KV so selection never needs the KV itself) and, where the pool evicts, the fetch
+        counter and last use its eviction rule reads (a pool that never evicts keeps neither: a decode step on a
+        GPU dispatches a dozen ops fewer per layer)."""
+        fresh = store.stored - (store.entries["score_keys"].shape[2] if "score_keys" in store.entries else 0)
+        if not fresh:
+            return
+        keys = self.score_keys(layer, store.recent_keys(fresh))
+        state = {"score_keys": keys.to(score_dtype(keys.dtype))}
+        if self.pool_size(session) is not None:
             tail = store.positions[:, :, -fresh:]
-            keys = self.score_keys(layer, store.recent_keys(fresh))
-            store.append_entries(score_keys=keys.to(score_dtype(keys.dtype)), count=torch.zeros_like(tail),
-                                 last=tail.clone())
+            state.update(count=torch.zeros_like(tail), last=tail.clone())
+        store.append_entries(**state)
 
     def dense_layer(self, layer: AttentionLayer) -> bool:
         return layer.index < self.skip_layers
@@ -194,7 +199,7 @@ class SelectiveAttention(GatheringMethod):
     def after_prefill(self, session, layer, store, q, probs):
         if self.dense_layer(layer):
             return
-        self.sync_store(layer, store)
+        self.sync_store(session, layer, store)
         limit = self.pool_size(session)
         if limit is not None and store.stored > limit:
             self._evict_store(store, store.stored - limit)
@@ -218,7 +223,7 @@ class SelectiveAttention(GatheringMethod):
         return idx[:, :, 0], valid[:, :, 0]
 
     def before_step(self, session, layer, store):
-        self.sync_store(layer, store)
+        self.sync_store(session, layer, store)
 
     def after_step(self, session, layer, q, store, keep):
         past, position = keep.shape[-1], store.seen - 1
@@ -227,10 +232,12 @@ class SelectiveAttention(GatheringMethod):
             keys = store.kv()[0]
             mask = torch.cat([keep, keep.new_ones(*keep.shape[:2], 1)], dim=-1)[:, :, None]  # (b, hk, 1, s)
             self._record_recall(layer, q, keys, torch.ones_like(mask), mask)
+        limit = self.pool_size(session)
+        if limit is None:  # nothing is ever evicted: no counter to keep
+            return
         store.entries["count"][..., :past] += keep
         store.entries["last"][..., :past].masked_fill_(keep, position)
-        limit = self.pool_size(session)
-        if limit is not None and store.stored > limit:
+        if store.stored > limit:
             self._evict_store(store, store.stored - limit)
 
     def _evict_store(self, store: KVStore, how_many: int) -> None:

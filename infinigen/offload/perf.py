@@ -409,6 +409,16 @@ class Link:
         self.busy_s += copy
         return self.engine, host_s / (host_s + copy) if host_s + copy > 0 else 0.0, self.worker
 
+    def read_from_device(self, clock: Clock, nbytes: float) -> tuple[float, float, float]:
+        """A zero-copy gather (the runtime's gather=zero_copy): a device program reads the selected rows from the
+        pinned pool over the link once the selection is computed; no host job (the landing time, a host share of
+        0, the host's time)."""
+        if self.hw.host_is_device:
+            return clock.host, 0.0, clock.host
+        self.engine = max(clock.device, self.engine) + nbytes / (self.hw.h2d_gbps * 1e9)
+        self.busy_s += nbytes / (self.hw.h2d_gbps * 1e9)
+        return self.engine, 0.0, clock.host
+
     def writeback(self, clock: Clock, nbytes: float, host_s: float = 0.0) -> float:
         """A job queued to the fetch worker that writes new rows back into a host pool (the time it is done): its
         device->host copy is queued on the copy stream behind what is already there, once the device has
@@ -452,7 +462,7 @@ def no_events(layers: int) -> list[dict]:
 
 def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
                  fractions: list[float] | None, dispatch: list[dict], context_s: list[dict],
-                 timed_at: int = 0, events: list[dict] | None = None) -> list[dict]:
+                 timed_at: int = 0, events: list[dict] | None = None, gather: str = "host") -> list[dict]:
     """Each decode step's modelled seconds and breakdown, replaying OffloadedMethod's order of events: a layer's
     fetch is issued at the previous layer's attention start (held, and gathers speculated at attention_start; the
     next step's layer 0 at the last layer for held), at its attention end (attention_end), or by the layer itself
@@ -463,7 +473,8 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
     {segment: value}} of what the launching thread does besides dispatching: host synchronisations (the host
     waits for the device, spread over the segment's ops), joins of the link's jobs (at a fetch's wait: its host
     work; elsewhere: the latest write-back), write-back jobs on the fetch worker, host tensor work and blocking
-    reads (bytes per (row, token), on the host clock, at the segment's end)."""
+    reads (bytes per (row, token), on the host clock, at the segment's end). `gather`: how a gathering layer's rows
+    cross (the runtime's GATHERS: a host job then a copy, or a device program reading the pool)."""
     shape = Shape.of(model_cfg)
     p = plan(method, shape, runtime, prompt_len + gen_len)
     link, clock = Link(hw), Clock(overlap=not hw.host_is_device, lead=hw.launch_us * 1e-6 * (hw.dispatch == "ops"))
@@ -500,6 +511,9 @@ def decode_steps(method, model_cfg, hw: Hardware, runtime: str, batch: int, prom
             # a gather's host job needs its selection's indices: the device must have computed them (the host waited
             # for them at a sync, or the worker waits for their copy's event); a held prefix needs nothing
             issued = max(clock.host, clock.device) if p.kinds[j] == "gather" else clock.host
+            if p.kinds[j] == "gather" and gather == "zero_copy":
+                pending[j] = link.read_from_device(clock, nbytes[j])
+                return
             pending[j] = link.fetch(clock, issued, host_s, nbytes[j], p.kinds[j] == "gather", extra)
 
         for j in range(L):
@@ -600,7 +614,7 @@ def from_census(hw: Hardware, cen: dict) -> tuple[list[dict], list[dict], list[d
 
 
 def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, prompt_len: int, gen_len: int,
-                   fractions: list[float] | None, cen: dict | None = None) -> list[dict]:
+                   fractions: list[float] | None, cen: dict | None = None, gather: str = "host") -> list[dict]:
     """decode_steps with the census of the method's code (cached after the first call per configuration), or,
     on a profile that is not this machine, the census `cen` given (`census_of`, e.g. of another runtime)."""
     from infinigen.offload.runtime import layer_kind
@@ -614,7 +628,7 @@ def modelled_steps(hw: Hardware, model_cfg, method, runtime: str, batch: int, pr
                             census_events(hw, model_cfg, method, runtime, batch, kinds))
     dispatch, context, events = from_census(hw, cen or census_of(model_cfg, method, runtime, batch, kinds))
     return decode_steps(method, model_cfg, hw, runtime, batch, prompt_len, gen_len, fractions, dispatch, context,
-                        0, events)
+                        0, events, gather)
 
 
 def prefill_seconds(hw: Hardware, shape: Shape, plan_: Plan, batch: int, prompt_len: int) -> float:
