@@ -170,7 +170,7 @@ class KIVI(KVMethod):
         vq = fake_quantize(v, self.bits, self.value_group(layer.head_dim))
         # rows in chunks (infinigen.contract.SIM_CHUNK): (rows, s) score tensors, never (t, s)
         outs = [self._sim_rows(session, layer, q[:, :, r0:r1], k, v, kq, vq, allowed, r0) for r0, r1 in row_chunks(t)]
-        self.record_sim(session, layer, allowed, allowed, torch.arange(s - t, s, device=q.device))
+        self.record_sim(session, layer, allowed, allowed, torch.arange(s - t, s, device=q.device), start=s - t)
         return torch.cat(outs, 2)  # (b, h, t, d)
 
     def _sim_rows(self, session, layer, q_rows, k, v, kq, vq, allowed, r0: int) -> torch.Tensor:

@@ -110,12 +110,13 @@ def row_chunks(t: int, split_at: int = 0) -> Iterator[tuple[int, int]]:
             yield r0, min(hi, r0 + size)
 
 
-def chunk_allowed(allowed: torch.Tensor, r0: int, r1: int, offset: int) -> torch.Tensor:
+def chunk_allowed(allowed: torch.Tensor, r0: int, r1: int, offset: int, causal: bool = False) -> torch.Tensor:
     """Rows r0..r1-1 of the (b|1, 1, t, s) mask, cut after the last key any of them may see: with a causal mask
-    that is key offset + r1 - 1, so a chunk costs what it attends, and the later columns are never built."""
+    that is key offset + r1 - 1, so a chunk costs what it attends, and the later columns are never built.
+    causal: the mask is known to be plain causal (no device value is read to find out)."""
     rows = allowed[..., r0:r1, :]  # (b|1, 1, r, s)
     end = offset + r1
-    if end < rows.shape[-1] and bool(rows[..., end:].any()):
+    if not causal and end < rows.shape[-1] and bool(rows[..., end:].any()):
         end = rows.shape[-1]  # not causal (never the case for the models here): keep every key
     return rows[..., :end]
 
@@ -340,7 +341,7 @@ class KVMethod:
         state = self.sim_state(session, layer, q, k, v, allowed)
         outs = []
         for r0, r1 in row_chunks(t, session.dense_rows - offset):
-            allowed_c = chunk_allowed(allowed, r0, r1, offset)  # (b|1, 1, r, e)
+            allowed_c = chunk_allowed(allowed, r0, r1, offset, session.plain_causal)  # (b|1, 1, r, e)
             rows = torch.arange(offset + r0, offset + r1, device=q.device)
             e = allowed_c.shape[-1]
             keep = self.sim_keep(session, layer, state, rows, e)
@@ -348,7 +349,7 @@ class KVMethod:
             keep = allowed_c if keep is None else allowed_c & (keep | dense)
             kc, vc = self.sim_kv(session, layer, state, k[:, :, :e], v[:, :, :e], rows)
             outs.append(sim_attend(session, q[:, :, r0:r1], kc, vc, keep, layer.logit_scale))
-            self.record_sim(session, layer, keep, allowed_c, rows)
+            self.record_sim(session, layer, keep, allowed_c, rows, start=offset + r0)
         return torch.cat(outs, dim=2)  # (b, h, t, d)
 
     def sim_dense(self, layer: AttentionLayer) -> bool:
@@ -377,7 +378,7 @@ class KVMethod:
         t, s = q.shape[2], k.shape[2]
         mass, outs = None, []
         for r0, r1 in row_chunks(t):
-            allowed_c = chunk_allowed(allowed, r0, r1, s - t)
+            allowed_c = chunk_allowed(allowed, r0, r1, s - t, session.plain_causal)
             e = allowed_c.shape[-1]
             if self.needs_prefill_probs:
                 out, probs = attend(q[:, :, r0:r1], k[:, :, :e], v[:, :, :e], allowed_c, layer.logit_scale, need_probs=True)
@@ -394,9 +395,14 @@ class KVMethod:
         """Decode mode: called once the dense prefill has filled `store` (mass: the `prefill_mass` of every
         prefill row, (b, h_kv, s), if needs_prefill_probs, else None)."""
 
-    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, rows: torch.Tensor) -> None:
-        """kv_fraction of the chunk's rows at sequence positions `rows` that are decoded (>= dense_rows)."""
-        first = int((rows < session.dense_rows).sum())  # rows are ascending: the decoded ones come last
+    def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, rows: torch.Tensor,
+                   start: int | None = None) -> None:
+        """kv_fraction of the chunk's rows at sequence positions `rows` that are decoded (>= dense_rows). start:
+        rows[0] (ascending, consecutive), when the caller knows it: nothing is then read back from the device."""
+        if start is None:
+            first = int((rows < session.dense_rows).sum())  # rows are ascending: the decoded ones come last
+        else:
+            first = min(max(session.dense_rows - start, 0), rows.numel())
         if first == rows.numel():
             return
         attended = keep[:, :, first:].sum(-1, dtype=torch.int32).float()  # (b|1, h_kv|1, rows)

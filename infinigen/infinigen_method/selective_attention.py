@@ -134,15 +134,15 @@ class SelectiveAttention(GatheringMethod):
             keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
         decoded = rows >= session.dense_rows
         keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
-        first = r1 - r0 - int(decoded.sum())  # rows ascend: the chunk's dense rows come first
+        first = min(max(session.dense_rows - r0, 0), r1 - r0)  # rows ascend: the chunk's dense rows come first
         qc, kc, vc = q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1]
         if session.attention == "exact":
             out, lse = attend(qc, kc, vc, keep, layer.logit_scale)[0], None
         else:
             out, lse = attend_fused(qc, kc, vc, keep, layer.logit_scale)  # lse (b, h, r) or None
         if first < r1 - r0:
-            self.record_sim(session, layer, keep, allowed, rows)
-            self.stats.add(layer.index, "selected", n[:, first:].float())
+            self.record_sim(session, layer, keep, allowed, rows, start=r0)
+            self.stats.add(layer.index, "selected", n[:, first:])
             if self.track_recall:
                 if lse is None:  # the exact kernel, or a device whose fused kernel gives no log-sum-exp
                     held = (held | diag) & allowed
