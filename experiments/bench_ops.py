@@ -84,7 +84,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from analysis import store  # noqa: E402
 from experiments import runner  # noqa: E402
-from experiments.bench_sim import build_method, method_overrides  # noqa: E402
+from experiments.bench_sim import build_method, chosen_methods  # noqa: E402
 from infinigen import adapter, modes  # noqa: E402
 from infinigen.offload import link as link_module  # noqa: E402
 from infinigen.offload import timing  # noqa: E402
@@ -460,12 +460,7 @@ def parse_args(argv=None):
 
 
 def resolve_methods(args) -> tuple[list[str], dict[str, list[str]], dict]:
-    available = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
-    names = args.methods or available
-    unknown = sorted(set(names) - set(available))
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; conf/method has {available}")
-    overrides = method_overrides(args.set, names)
+    names, overrides = chosen_methods(args.methods, args.set)
     configs = {}
     for name in names:
         cfg = OmegaConf.merge(OmegaConf.load(METHOD_DIR / f"{name}.yaml"),

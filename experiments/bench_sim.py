@@ -73,6 +73,16 @@ def method_overrides(sets: list[str], names: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def chosen_methods(requested: list[str] | None, sets: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """The conf/method names asked for (None: all of them) and each one's --set overrides; unknown names exit."""
+    available = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
+    names = requested or available
+    unknown = sorted(set(names) - set(available))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; conf/method has {available}")
+    return names, method_overrides(sets, names)
+
+
 def build_method(name: str, dotlist: list[str], data_dir: str):
     cfg = OmegaConf.merge(OmegaConf.load(METHOD_DIR / f"{name}.yaml"), OmegaConf.from_dotlist(dotlist))
     root = OmegaConf.create({"data_dir": data_dir, "method": cfg})  # resolves ${data_dir} as run.py would
@@ -135,12 +145,7 @@ REFERENCES = ("model sdpa", "model eager")
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    available = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
-    names = args.methods or available
-    unknown = sorted(set(names) - set(available))
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; conf/method has {available}")
-    overrides = method_overrides(args.set, names)
+    names, overrides = chosen_methods(args.methods, args.set)
     methods = {name: build_method(name, overrides.get(name, []), args.data_dir) for name in names}  # fail early
     if not args.dense_rows:  # a prompt-compressing method (SnapKV) has no prompt to compress at dense_rows=0
         skipped = [name for name, m in methods.items() if m.needs_prompt]
