@@ -40,11 +40,19 @@ if triton is not None:
         c = tl.arange(0, D)
         live = (t < n)[:, None]
         row = (t.to(tl.int64) * bh + head)[:, None]  # (BLOCK_N, 1)
-        byte = (c * BITS) // 8
-        shift = ((c * BITS) % 8)[None, :]
-        levels = (1 << BITS) - 1
-        kc = (tl.load(rows + row * W + byte[None, :], mask=live, other=0).to(tl.int32) >> shift) & levels
-        vc = (tl.load(rows + row * W + CODES + byte[None, :], mask=live, other=0).to(tl.int32) >> shift) & levels
+        if BITS == 4:  # the paper's INT4: each row's code bytes read as one contiguous run, then unpacked
+            j = tl.arange(0, CODES)[None, :]
+            kb = tl.load(rows + row * W + j, mask=live, other=0).to(tl.int32)  # (BLOCK_N, CODES)
+            vb = tl.load(rows + row * W + CODES + j, mask=live, other=0).to(tl.int32)
+            # low nibble first (baselines/quant.py `pack`): channels 2j, 2j + 1 of byte j
+            kc = tl.reshape(tl.join(kb & 15, kb >> 4), (BLOCK_N, D))
+            vc = tl.reshape(tl.join(vb & 15, vb >> 4), (BLOCK_N, D))
+        else:
+            byte = (c * BITS) // 8
+            shift = ((c * BITS) % 8)[None, :]
+            levels = (1 << BITS) - 1
+            kc = (tl.load(rows + row * W + byte[None, :], mask=live, other=0).to(tl.int32) >> shift) & levels
+            vc = (tl.load(rows + row * W + CODES + byte[None, :], mask=live, other=0).to(tl.int32) >> shift) & levels
         # the fp16 scale/zero of each channel's group: scales is the same storage viewed as fp16 (W / 2 per row);
         # (not named `params`: Triton's generated binder has a local of that name)
         p = row * (W // 2) + CODES + (c // GROUP)[None, :]
@@ -81,7 +89,7 @@ def dequantize_pool(rows: torch.Tensor, b: int, hk: int, d: int, bits: int, grou
     rows = rows.contiguous()
     k = torch.empty(b, hk, n, d, dtype=dtype, device=rows.device)
     v = torch.empty_like(k)
-    block = 32
+    block = 64
     _dequantize[(triton.cdiv(n, block), bh)](
         rows, rows.view(torch.float16), k, v, n, bh, W=width, D=d, BITS=bits, GROUP=group, CODES=codes,
         PARAMS=params, BLOCK_N=block, enable_fp_fusion=False)
@@ -89,8 +97,10 @@ def dequantize_pool(rows: torch.Tensor, b: int, hk: int, d: int, bits: int, grou
 
 
 def dequantize_supported(d: int, bits: int, codes: int, params: int, width: int) -> bool:
-    """The program's layout assumptions: d a power of two, fp16 parameters at even byte offsets."""
-    return d & (d - 1) == 0 and codes % 2 == 0 and params % 2 == 0 and width % 2 == 0 and 8 % bits == 0
+    """The program's layout assumptions: d a power of two, fp16 parameters at even byte offsets (4 bits: the code
+    bytes a power of two too)."""
+    return (d & (d - 1) == 0 and codes % 2 == 0 and params % 2 == 0 and width % 2 == 0 and 8 % bits == 0
+            and (bits != 4 or codes & (codes - 1) == 0))
 
 
 class HostPointer:
