@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from baselines.streaming import check_budget, token_count
+from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend, logits, row_chunks
 
@@ -27,17 +27,6 @@ def row_blocks(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
             for head in range(g):
                 torch.mm(q[i, j * g + head], k[i, j].T, out=out[i, :, j, head])
     return out
-
-
-def remaining(drop: torch.Tensor, held: int) -> torch.Tensor:
-    """(b, h_kv, held - n) ascending indices of the entries left when `drop` (b, h_kv, n) go: a static shape
-    (n and held are known on the host), so an eviction never waits for the device (nonzero would)."""
-    n = drop.shape[-1]
-    if n == 1:  # every decode step once the budget binds: entries after the dropped one shift down by one
-        ahead = torch.arange(held - 1, device=drop.device)
-        return ahead + (ahead >= drop).long()
-    keep = torch.ones(*drop.shape[:-1], held, dtype=torch.bool, device=drop.device).scatter_(-1, drop, False)
-    return torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., : held - n]
 
 
 REDUCE = {

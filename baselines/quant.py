@@ -182,7 +182,7 @@ class Quant(KVMethod):
         return fake_quantize(k, self.bits, group), fake_quantize(v, self.bits, group)
 
     def sim_kv(self, session, layer, state, k, v, rows):
-        if state is None or int(rows[0]) < session.dense_rows:  # chunks never straddle dense_rows
+        if state is None or session.chunk[0] < session.dense_rows:  # chunks never straddle dense_rows
             return k, v  # the prefill attends the full-precision KV
         e = k.shape[2]
         return state[0][:, :, :e], state[1][:, :, :e]

@@ -11,7 +11,7 @@ import torch
 
 from infinigen.adapter import KVStore
 from infinigen.contract import GatheringMethod, grouped_matmul, widen
-from infinigen.infinigen_method.select_evict import budget_cap, top_n
+from infinigen.infinigen_method.select_evict import budget_cap, cap_of, top_n
 
 GQA_REDUCE = ("max", "sum")
 
@@ -97,7 +97,7 @@ class Quest(GatheringMethod):
         return "resident" if self.dense_layer(layer) else "gather"
 
     def max_selected(self, max_len: int) -> int:
-        cap = int(budget_cap(self.budget, torch.tensor([max_len]))[0])
+        cap = cap_of(self.budget, max_len)
         return min(max_len, (math.ceil(cap / self.page_size) + 1) * self.page_size)
 
     def selection_flops(self, layer, past):
@@ -110,8 +110,9 @@ class Quest(GatheringMethod):
         return super().store_bytes(stores) + sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ selection (both modes)
-    def pages_kept(self, q_rows, kmin, kmax, rows: torch.Tensor) -> torch.Tensor:
-        """Which pages each row attends besides its own: q_rows (b, h, r, d) at positions `rows` (r,); kmin/kmax
+    def pages_kept(self, q_rows, kmin, kmax, rows: torch.Tensor, last: int) -> torch.Tensor:
+        """Which pages each row attends besides its own: q_rows (b, h, r, d) at positions `rows` (r,), the last of
+        them `last` (a host int: the widest budget, so top-k is sized without reading the device); kmin/kmax
         (b, h_kv, n_pages, d) of (at least) the pages before each row's own -> (b, h_kv, r, n_pages) bool."""
         b, h, r, d = q_rows.shape
         hk, n_pages = kmin.shape[1], kmin.shape[2]
@@ -122,7 +123,7 @@ class Quest(GatheringMethod):
         pages = torch.ceil(budget_cap(self.budget, rows).double() / self.page_size).long()  # K, besides its own
         n = torch.minimum(pages, own).expand(b, r)
         agg = agg.masked_fill(~complete, -math.inf)
-        return top_n(agg, n) & complete
+        return top_n(agg, n, min(n_pages, math.ceil(cap_of(self.budget, last) / self.page_size))) & complete
 
     def tokens_kept(self, pages_kept: torch.Tensor, rows: torch.Tensor, s: int) -> torch.Tensor:
         """(b, h_kv, r, n_pages) kept pages -> (b, h_kv, r, s) kept positions: those pages + the row's own page
@@ -148,8 +149,9 @@ class Quest(GatheringMethod):
         if state is None:
             return None
         q, offset, kmin, kmax = state
-        q_rows = q[:, :, int(rows[0]) - offset : int(rows[-1]) + 1 - offset]  # (b, h, r, d)
-        return self.tokens_kept(self.pages_kept(q_rows, kmin, kmax, rows), rows, s)
+        first, stop = session.chunk
+        q_rows = q[:, :, first - offset : stop - offset]  # (b, h, r, d)
+        return self.tokens_kept(self.pages_kept(q_rows, kmin, kmax, rows, stop - 1), rows, s)
 
     # ------------------------------------------------------------------ decode mode
     def after_prefill(self, session, layer, store, q, mass) -> None:
@@ -166,7 +168,7 @@ class Quest(GatheringMethod):
         """Quest never evicts: entry index = position. keep (b, h_kv, past) over the entries before the row."""
         meta = page_metadata(store)
         row = torch.tensor([position], device=q.device)
-        keep = self.tokens_kept(self.pages_kept(q, meta["kmin"], meta["kmax"], row), row, past + 1)
+        keep = self.tokens_kept(self.pages_kept(q, meta["kmin"], meta["kmax"], row, position), row, past + 1)
         return keep[:, :, 0, :past]
 
     def before_step(self, session, layer, store) -> None:

@@ -154,11 +154,12 @@ class RocketKV(GatheringMethod):
 
     def sim_keep(self, session, layer, state, rows, s):
         P, plan = state["prompt"], state["plan"]
-        if int(rows[0]) < P:
+        first, stop = session.chunk
+        if first < P:
             return None
-        q = state["q"][:, :, int(rows[0]) : int(rows[-1]) + 1]
+        q = state["q"][:, :, first:stop]
         past = state["kept"] + rows - P  # (r,) entries before each row
-        n = int(past.max())
+        n = state["kept"] + stop - 1 - P  # the last row's
         chunk = plan["chunk"]
         scores, temperature = self.approx_scores(layer, q, state["hi"][:, :, :n], state["lo"][:, :, :n], plan["channels"])
         j = torch.arange(n, device=rows.device)

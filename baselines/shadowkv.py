@@ -198,15 +198,16 @@ class ShadowKV(GatheringMethod):
         return state
 
     def sim_kv(self, session, layer, state, k, v, rows):
-        if state is None or int(rows[0]) < state["prompt"]:
+        if state is None or session.chunk[0] < state["prompt"]:
             return k, v  # the dense prompt rows see the real keys
         return state["keys"][:, :, : k.shape[2]], v
 
     def sim_keep(self, session, layer, state, rows, s):
         P = state["prompt"]
-        if int(rows[0]) < P:
+        first, stop = session.chunk
+        if first < P:
             return None
-        q = state["q"][:, :, int(rows[0]) : int(rows[-1]) + 1]  # (b, h, r, d)
+        q = state["q"][:, :, first:stop]  # (b, h, r, d)
         chunks = self.chunks_kept(layer, state, q, P)  # (b, hk, r, C)
         b, hk, r, C = chunks.shape
         keep = torch.ones(b, hk, r, s, dtype=torch.bool, device=q.device)  # outliers, local window, generated

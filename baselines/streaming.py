@@ -1,8 +1,8 @@
 """StreamingLLM: attention sinks + a sliding window (Xiao et al., "Efficient Streaming Language Models with
 Attention Sinks", ICLR'24).
 
-Also home of the token-budget convention shared by the eviction baselines (h2o imports it): a budget is an int
-(an absolute number of tokens) or a float in (0, 1] (a fraction of the tokens seen so far).
+Also home of what the eviction baselines share (h2o and tova import it): the token-budget convention (a budget is
+an int, an absolute number of tokens, or a float in (0, 1], a fraction of the tokens seen so far) and `remaining`.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ def token_count(budget: int | float, seen: int) -> int:
     return min(seen, max(1, math.ceil(budget * seen - 1e-9)))
 
 
-def index_of(keep: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, n) bool with the same count per head -> (b, h_kv, k) ascending indices of the True entries."""
-    b, h, _ = keep.shape
-    return keep.nonzero()[:, -1].view(b, h, -1)  # nonzero is row-major: per head, indices come out sorted
+def remaining(drop: torch.Tensor, held: int) -> torch.Tensor:
+    """(b, h_kv, held - n) ascending indices of the entries left when `drop` (b, h_kv, n) go: a static shape
+    (n and held are known on the host), so an eviction never waits for the device (nonzero would)."""
+    n = drop.shape[-1]
+    if n == 1:  # every decode step once the budget binds: entries after the dropped one shift down by one
+        ahead = torch.arange(held - 1, device=drop.device)
+        return ahead + (ahead >= drop).long()
+    keep = torch.ones(*drop.shape[:-1], held, dtype=torch.bool, device=drop.device).scatter_(-1, drop, False)
+    return torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., : held - n]
 
 
 @dataclass
@@ -74,18 +79,32 @@ class Streaming(KVMethod):
         return seen - token_count(self.recent, seen)
 
     # ------------------------------------------------------------------ sim mode
+    def window_starts(self, rows: torch.Tensor) -> torch.Tensor:
+        """`window_start(row + 1)` of each row (r,), on the rows' device: `token_count`'s arithmetic in the same
+        float64 steps, so the two agree, and nothing is read back per row."""
+        seen = rows + 1
+        if isinstance(self.recent, int):
+            return seen - seen.clamp(max=self.recent)
+        count = torch.ceil(seen.double() * self.recent - 1e-9).long().clamp(min=1)
+        return seen - torch.minimum(seen, count)
+
     def sim_keep(self, session, layer, state, rows, s):
-        start = torch.tensor([self.window_start(int(p) + 1) for p in rows], device=rows.device)  # (r,)
+        start = self.window_starts(rows)  # (r,)
         cols = torch.arange(s, device=rows.device)
         keep = (cols[None, :] < self.sinks) | (cols[None, :] >= start[:, None])  # (r, s)
         return keep[None, None]  # (1, 1, r, s): the same for every head
 
     # ------------------------------------------------------------------ decode mode
     def evict(self, store: KVStore) -> None:
-        pos = store.positions  # (b, h_kv, n)
-        keep = (pos < self.sinks) | (pos >= self.window_start(store.seen))
-        if not bool(keep.all()):
-            store.keep(index_of(keep))
+        """The store holds the sinks, then an unbroken run up to the newest token (every step evicts so), so
+        what stays is its first min(sinks, start) and last seen - start entries: known on the host."""
+        start = self.window_start(store.seen)
+        sinks, window, n = min(self.sinks, start), store.seen - start, store.stored
+        if sinks + window >= n:
+            return
+        dev = store.positions.device
+        index = torch.cat([torch.arange(sinks, device=dev), torch.arange(n - window, n, device=dev)])
+        store.keep(index.expand(*store.positions.shape[:2], -1))
 
     def after_prefill(self, session, layer, store, q, probs) -> None:
         self.evict(store)

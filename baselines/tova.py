@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from baselines.streaming import check_budget, index_of, token_count
+from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend, widen
 
@@ -91,8 +91,7 @@ class TOVA(KVMethod):
         if n > 0:
             keys, _ = store.kv()
             drop = self.drop_index(self.row_probs(layer, q, keys), n)
-            keep = torch.ones(*drop.shape[:2], store.stored, dtype=torch.bool, device=drop.device)
-            store.keep(index_of(keep.scatter_(-1, drop, False)))
+            store.keep(remaining(drop, store.stored))
 
     def after_prefill(self, session, layer, store, q, mass) -> None:
         self.evict(layer, store, q[:, :, -1:])

@@ -490,6 +490,9 @@ class Session:
     model: Any = None
     plain_causal: bool = True  # the current forward's mask is plain causal (no padding): set per attention call
     causal_masks: dict = field(default_factory=dict)  # the last causal mask built, by (q_len, kv_len, device)
+    # sim mode: sequence positions [first, last + 1) of the chunk of rows being attended, host ints (what a method
+    # branches or slices on without reading its `rows` tensor back from the device)
+    chunk: tuple[int, int] = (0, 0)
 
 
 _BOUND: dict[int, tuple[Session, AttentionLayer]] = {}

@@ -322,7 +322,8 @@ class KVMethod:
 
     def sim_keep(self, session: Session, layer: AttentionLayer, state, rows: torch.Tensor, s: int) -> torch.Tensor | None:
         """(b|1, h_kv|1, r, s) bool: which of the first s entries the query rows at sequence positions `rows`
-        (r,) may attend (combined with causality by the caller); None = all of them."""
+        (r,) may attend (combined with causality by the caller); None = all of them. `session.chunk` holds the
+        same positions as host ints: branch and slice on those (reading `rows` would wait for the device)."""
         return None
 
     def sim_kv(self, session: Session, layer: AttentionLayer, state, k, v, rows: torch.Tensor):
@@ -343,6 +344,7 @@ class KVMethod:
         for r0, r1 in row_chunks(t, session.dense_rows - offset):
             allowed_c = chunk_allowed(allowed, r0, r1, offset, session.plain_causal)  # (b|1, 1, r, e)
             rows = torch.arange(offset + r0, offset + r1, device=q.device)
+            session.chunk = (offset + r0, offset + r1)
             e = allowed_c.shape[-1]
             keep = self.sim_keep(session, layer, state, rows, e)
             dense = (rows < session.dense_rows).view(1, 1, -1, 1)

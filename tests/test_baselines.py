@@ -35,6 +35,8 @@ def sim_and_decode(model_name, method_factory, prompt=PROMPT, decoded=DECODED, b
 def whole_keep(method, session, layer, q, k, allowed):
     """The sim-mode keep mask of every row at once, (b|1, h_kv|1, t, s) (sim mode asks for it chunk by chunk)."""
     state = method.sim_state(session, layer, q, k, k, allowed)
+    if session is not None:
+        session.chunk = (0, q.shape[2])  # every row as one chunk
     return method.sim_keep(session, layer, state, torch.arange(q.shape[2]), k.shape[2])
 
 

@@ -55,7 +55,7 @@ def test_quest_attends_own_page_plus_the_top_pages_within_the_budget():
     q = torch.randn(1, 4, t, d, generator=GEN(2))  # 2 query heads per KV head
     k = torch.randn(1, 2, t, d, generator=GEN(3))
     state = method.sim_state(SimpleNamespace(), SimpleNamespace(index=0), q, k, k, None)
-    keep = method.sim_keep(SimpleNamespace(), SimpleNamespace(index=0), state, torch.arange(t), t)  # (1, 2, t, t)
+    keep = method.sim_keep(SimpleNamespace(chunk=(0, t)), SimpleNamespace(index=0), state, torch.arange(t), t)  # (1, 2, t, t)
     kmin, kmax = page_minmax(k, page)
     scores = page_scores(q.view(1, 2, 2, t, d), kmin, kmax).amax(2)  # (1, 2, t, pages)
     for row in range(t):
