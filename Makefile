@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf export report clean
+.PHONY: help install run test test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -53,6 +53,11 @@ calibrate: install  ## measure this machine as a hardware profile (conf/hardware
 
 validate-perf: calibrate  ## the performance model's predicted vs measured decode ms/token here (quiet machine; ~1 h on 2 cores)
 	$(PY) -m experiments.validate_perf --data-dir $(DATA_DIR) $(VALIDATE_ARGS)
+
+validate-gpu: install  ## the performance model against the committed GPU rows (docs/gpu): its tables in docs/speed.md
+	$(PY) -m experiments.validate_gpu --markdown docs/speed.md
+	$(PY) -m experiments.validate_gpu --rows docs/gpu/run_20261204/latency.jsonl \
+	  --profile conf/hardware/h200_pcie5_calibrated.yaml --census live --markdown docs/speed.md
 
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures

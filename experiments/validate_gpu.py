@@ -181,6 +181,33 @@ def table(results: list[tuple[dict, dict]]) -> list[str]:
     return lines
 
 
+def markdown(results: list[tuple[dict, dict]], header: str) -> list[str]:
+    """The table as markdown, under the line saying what was modelled with what (for docs/speed.md)."""
+    lines = [header.lstrip("# ") + ".", "",
+             "| row | measured ms/token | modelled | modelled / measured | modelled terms (ms): compute / speculation / "
+             "host gather / exposed link; sync waits (syncs) / joins / host work; link busy, worker busy | measured "
+             "segments (ms): attention / speculation / host gather / link / wait |", "|---|---|---|---|---|---|"]
+    for row, m in results:
+        lines.append(
+            f"| {row['row']} | {row['decode_ms_median']:.1f} | {m['decode_ms_median']:.1f} | "
+            f"{m['decode_ms_median'] / row['decode_ms_median']:.2f} | {m['compute_ms']:.1f} / {m['speculation_ms']:.1f}"
+            f" / {m['host_ms']:.1f} / {m['exposed_transfer_ms']:.1f}; {m['sync_wait_ms']:.1f} "
+            f"({m['syncs_per_step']:.0f}) / {m['join_wait_ms']:.1f} / {m['host_work_ms']:.1f}; {m['transfer_ms']:.1f}, "
+            f"{m['host_busy_ms']:.1f} | " + " / ".join(f"{row.get(k, 0) or 0:.1f}" for k in MEASURED_TERMS) + " |")
+    return lines
+
+
+def write_block(doc: str, key: str, lines: list[str]) -> None:
+    """Replace the text between `<!-- validate_gpu:KEY -->` and `<!-- /validate_gpu:KEY -->` in `doc`."""
+    path = Path(doc)
+    text = path.read_text()
+    start, end = f"<!-- validate_gpu:{key} -->", f"<!-- /validate_gpu:{key} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"error: --markdown: {doc} has no {start} ... {end} block")
+    head, rest = text.split(start, 1)
+    path.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+
+
 # ----------------------------------------------------------------------------------------------- census files
 
 
@@ -280,6 +307,8 @@ def main(argv=None) -> int:
                    help="price the host gather at the profile's host_gbps_threads entry for this many threads "
                         f"(default: {FIRST_GATHER_THREADS} for the 2f67c00 rows, else the profile's host_gbps)")
     p.add_argument("--out", default=None, help="write each measured row with its modelled_* metrics (JSONL)")
+    p.add_argument("--markdown", default=None, metavar="DOC",
+                   help="also write the table into DOC's <!-- validate_gpu:ROWS --> block (ROWS: the rows file)")
     p.add_argument("--census-from", default=None, help="a checkout whose runtime the census file describes")
     p.add_argument("--write-census", default=None, help="with --census-from: the census file to write")
     p.add_argument("--dump-census", default=None, help=argparse.SUPPRESS)
@@ -308,6 +337,13 @@ def main(argv=None) -> int:
     inside = sum(abs(x - 1) <= WITHIN for x in ratios)
     print(f"# {inside} of {len(ratios)} rows within +-{WITHIN:.0%}; modelled / measured: "
           + ", ".join(f"{r['row']} {x:.2f}" for (r, _), x in zip(results, ratios)))
+    if args.markdown:
+        key = str(Path(rows_paths[0]).resolve().relative_to(ROOT)) if Path(rows_paths[0]).resolve().is_relative_to(
+            ROOT) else rows_paths[0]
+        header = header.replace(str(ROOT) + "/", "")
+        write_block(args.markdown, key, markdown(results, header) + ["", f"{inside} of {len(ratios)} rows within "
+                                                                     f"+-{WITHIN:.0%}."])
+        print(f"-> {args.markdown} ({key})")
     if args.out:
         with open(args.out, "w") as f:
             for row, m in results:
