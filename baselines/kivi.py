@@ -177,7 +177,7 @@ class KIVI(KVMethod):
         """Rows r0..r1-1 (q_rows (b, h, r, d)) against keys 0..r1-1: per position the quantised or the fp
         K and V, as that row's decode step holds them."""
         b, h, r, d = q_rows.shape
-        hk, r1 = k.shape[1], r0 + r
+        r1 = r0 + r
         seen = torch.arange(r0, r1, device=q_rows.device) + 1  # (r,) tokens existing at each row's step
         decoded = (seen > session.dense_rows)[:, None]
         cols = torch.arange(r1, device=q_rows.device)[None, :]  # (1, r1)

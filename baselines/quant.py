@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend
+from infinigen.contract import KVMethod
 from infinigen.offload import kernels
 from infinigen.offload.codecs import head_major
 

@@ -433,7 +433,7 @@ SCALES = {  # cuda: the real thing (~40 s on an H200); smoke: the same code at t
     "cuda": {"weight_layers": 8, "rows": 1024, "link_bytes": 1 << 30, "gather_rows": 1 << 22, "pool_rows": 1 << 23,
              "contexts": (1024, 4096), "batch": 96, "steps": 8},
     "smoke": {"weight_layers": 1, "rows": 16, "link_bytes": 1 << 20, "gather_rows": 1 << 12, "pool_rows": 1 << 14,
-              "contexts": (64, 128), "batch": 2, "steps": 4},
+              "contexts": (64, 1024), "batch": 2, "steps": 6},
 }
 
 

@@ -171,20 +171,30 @@ class KVStats:
         self._sums: dict = defaultdict(lambda: defaultdict(float))
         self._counts: dict = defaultdict(lambda: defaultdict(int))
         self._pending: list = []
+        self._folded: dict = {}  # (name, layer, device) -> a running sum, where the recordings are
 
     def add(self, layer: int, name: str, values: torch.Tensor, offset: float = 0.0, scale: float = 1.0) -> None:
-        """Records (values + offset) * scale per element. Dispatches nothing: a decode step on a GPU launches no
-        kernel and waits for none to record (the tensor is summed when a mean is read, or after PENDING)."""
+        """Records (values + offset) * scale per element. Dispatches nothing and reads nothing back: a decode step
+        on a GPU neither launches a kernel nor waits to record (every PENDING recordings are summed into running
+        sums on their own device; a mean read brings them to the host)."""
         self._pending.append((layer, name, values, offset, scale))
         if len(self._pending) >= self.PENDING:
-            self._settle()
+            self._fold()
 
-    def _settle(self) -> None:
+    def _fold(self) -> None:
         for layer, name, values, offset, scale in self._pending:
             n = values.numel()
-            self._sums[name][layer] += (float(values.detach().double().sum()) + offset * n) * scale
+            total = (values.detach().double().sum() + offset * n) * scale
+            key = (name, layer, total.device)
+            self._folded[key] = total if key not in self._folded else self._folded[key] + total
             self._counts[name][layer] += n
         self._pending.clear()
+
+    def _settle(self) -> None:
+        self._fold()
+        for (name, layer, _), total in self._folded.items():
+            self._sums[name][layer] += float(total)
+        self._folded.clear()
 
     @property
     def sums(self) -> dict:

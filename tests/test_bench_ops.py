@@ -7,7 +7,6 @@ to 5%) and at batch 8 as at batch 1. It fails until the runtime rewrite that rem
 message names each sync, where it was asked for (file:line) and how often. Not xfail'd: a red gate is the point.
 """
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 

@@ -108,3 +108,19 @@ def test_decode_kernel_equals_eager_with_repeated_kv_heads():
         torch.testing.assert_close(got, probs.view(b, hk, g, t, s), atol=1e-12, rtol=0)
     q5 = q.view(b, hk, g, t, d)
     torch.testing.assert_close(grouped_matmul(q5, k), q5 @ k.unsqueeze(2).transpose(-1, -2), atol=1e-12, rtol=0)
+
+
+def test_stats_fold_unread_recordings_without_changing_the_means(monkeypatch):
+    """KVStats keeps recordings unread (a GPU step never waits to record) and folds every PENDING of them into
+    running sums: the means are those of the recordings, however many were folded."""
+    from infinigen.contract import KVStats
+
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.rand(2, 3, generator=gen, dtype=torch.float64) for _ in range(11)]
+    expect = float(sum(((v + 1) * 0.25).sum() for v in values)) / sum(v.numel() for v in values)
+    for pending in (3, 4096):
+        monkeypatch.setattr(KVStats, "PENDING", pending)
+        stats = KVStats()
+        for v in values:
+            stats.add(5, "kv_fraction", v, offset=1, scale=0.25)
+        assert stats.per_layer("kv_fraction")[5] == pytest.approx(expect, rel=1e-12)

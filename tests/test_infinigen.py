@@ -147,12 +147,12 @@ def test_select_respects_the_cap_and_the_candidates():
     rows = torch.arange(r)
     candidates = (torch.arange(L)[None, :] < rows[:, None])[None, None]  # strictly causal
     for alpha, budget in [(0.5, 0.1), (2.0, 0.3), (math.inf, 0.5), (math.inf, 1.0)]:
-        keep, n = select(scores, candidates, rows, alpha, budget, "prob_sum")
+        keep, n = select(scores, candidates, rows, alpha, budget, "prob_sum", None, L)
         cap = budget_cap(budget, rows)
         assert (n <= cap[None]).all()
         assert (keep.sum(-1) == n[:, None]).all()  # every KV head fetches exactly n
         assert not (keep & ~candidates).any()
-    keep, n = select(scores, candidates, rows, math.inf, 1.0, "prob_sum")
+    keep, n = select(scores, candidates, rows, math.inf, 1.0, "prob_sum", None, L)
     assert torch.equal(keep, candidates.expand_as(keep))
 
 
@@ -163,16 +163,17 @@ def test_top_n_keeps_exactly_n_even_on_ties():
     ref = torch.zeros_like(agg, dtype=torch.bool)
     for (b, h, r), row in zip(itertools.product(range(2), range(3), range(5)), agg.view(-1, 30)):
         ref[b, h, r, row.argsort(descending=True)[: n[b, r]]] = True
-    assert torch.equal(top_n(agg, n), ref)
+    assert torch.equal(top_n(agg, n, 30), ref)
     tied = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0]).view(1, 1, 1, 5)  # the 2nd best is a three-way tie
-    keep = top_n(tied, torch.tensor([[2]]))
+    keep = top_n(tied, torch.tensor([[2]]), 5)
     assert keep.sum() == 2 and keep[0, 0, 0, 0] and not keep[0, 0, 0, 4]
 
 
 def test_dynamic_count_follows_alpha():
     # one head, one row: scores 10, 9, 7, 2 -> within alpha=2.5 of the max: two tokens
     scores = torch.tensor([10.0, 9.0, 7.0, 2.0]).view(1, 1, 1, 1, 4)
-    keep, n = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, 1.0, "logit_max")
+    keep, n = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, 1.0, "logit_max", None,
+                     4)
     assert n.item() == 2 and keep[0, 0, 0].tolist() == [True, True, False, False]
 
 

@@ -368,3 +368,16 @@ def test_the_first_gpu_measurement_is_modelled_within_25_percent_but_infinigen()
     census = json.loads((ROOT / "docs" / "gpu" / "census_2f67c00.json").read_text())
     assert census["rows"]["infinigen"]["speculation_point"] == "attention_start"
     assert census["rows"]["h2o"]["kinds"] == ["held"] * 40
+
+
+def test_validate_gpu_writes_its_table_into_a_marked_block(tmp_path):
+    """make validate-gpu: the table replaces what stood between the block's markers, and only that."""
+    from experiments import validate_gpu
+
+    key = "docs/gpu/h200_opt13b_b20_p1920_g32.jsonl"
+    doc = tmp_path / "speed.md"
+    doc.write_text(f"before\n<!-- validate_gpu:{key} -->\nstale\n<!-- /validate_gpu:{key} -->\nafter\n")
+    validate_gpu.main(["--markdown", str(doc)])
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "stale" not in text
+    assert "| infinigen | 437.2 |" in text and "4 of 5 rows within +-25%." in text

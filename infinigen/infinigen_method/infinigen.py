@@ -12,7 +12,6 @@ that evicts one token per step (`counter`, `lru` or `fifo`) when full.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 

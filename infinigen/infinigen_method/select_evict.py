@@ -94,10 +94,10 @@ def rank(
     return agg, n
 
 
-def select(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv=None, width: int | None = None,
+def select(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv, width: int,
            first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r). See `rank`; width:
-    a host bound on n (None: n.max(), read on the host)."""
+    a host bound on n (the widest budget cap among the rows)."""
     agg, n = rank(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv, first)
     return top_n(agg, n, width), n
 
@@ -116,14 +116,13 @@ def top_k(agg: torch.Tensor, n: torch.Tensor, width: int) -> tuple[torch.Tensor,
     return idx, (torch.arange(width, device=agg.device) < n[:, None, :, None]).expand_as(idx)
 
 
-def top_n(agg: torch.Tensor, n: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """Keep mask of the n(b, r) highest-scoring entries per (b, hk, r) row of agg (b, hk, r, L); width >= n.max()
-    (None: n.max(), read on the host)."""
+def top_n(agg: torch.Tensor, n: torch.Tensor, width: int) -> torch.Tensor:
+    """Keep mask of the n(b, r) highest-scoring entries per (b, hk, r) row of agg (b, hk, r, L); width >= n.max(),
+    a host number (the widest budget cap), so no count is read back from the device."""
     keep = torch.zeros_like(agg, dtype=torch.bool)
-    k = (int(n.max()) if n.numel() else 0) if width is None else width
-    if k == 0:
+    if width == 0:
         return keep
-    idx, valid = top_k(agg, n, k)
+    idx, valid = top_k(agg, n, width)
     return keep.scatter_(-1, idx, valid)
 
 
