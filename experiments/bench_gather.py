@@ -8,6 +8,9 @@ landing buffer's copy to the device).
 
     python -m experiments.bench_gather                      # this machine's cores, the runtime's default threads
     python -m experiments.bench_gather --threads 1 2 --pool-mib 512 --row-bytes 512 --fraction 0.2
+    python -m experiments.bench_gather --threads 2 1 --beside-busy-thread  # + the gather while another thread
+                    # keeps a core busy, as the runtime's launching thread does (dispatching, or spin-waiting on the
+                    # device): a gather on every core shares one (why the runtime leaves one to that thread)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 
 import torch
 
+from experiments.calibrate import beside_busy_thread
 from experiments.calibrate import best as timed  # median seconds of repeated calls after an untimed one
 from infinigen.offload.link import Link, default_gather_threads
 
@@ -36,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=64, help="batch x KV heads of the pool")
     p.add_argument("--fraction", type=float, default=0.2, help="share of each head's rows selected")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--beside-busy-thread", action="store_true",
+                   help="also the gather while another thread keeps a core busy (the runtime's launching thread)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -53,6 +59,7 @@ def main(argv=None) -> int:
     print(f"# pool {args.pool_mib} MiB of {args.row_bytes}-byte rows ({args.heads} heads x {slots} slots); "
           f"{m} rows selected ({nbytes / 2**20:.0f} MiB){'; CUDA ' + torch.cuda.get_device_name() if cuda else ''}")
     print(f"{'threads':>7} {'gather GB/s':>11} {'copy GB/s':>9} {'gather/copy':>11}"
+          + (f" {'beside a busy thread GB/s':>25}" if args.beside_busy_thread else "")
           + (f" {'gather+copy to device GB/s':>26}" if cuda else ""))
     for threads in args.threads:
         link = Link("cuda" if cuda else "cpu", threaded=True, gather_threads=threads)
@@ -60,6 +67,10 @@ def main(argv=None) -> int:
         gather_s = timed(lambda: on_worker(lambda: link.gather(pool, index, landing, None)), args.repeats)
         copy_s = timed(lambda: on_worker(lambda: landing.copy_(pool[:m])), args.repeats)
         line = f"{threads:>7} {nbytes / gather_s / 1e9:>11.2f} {nbytes / copy_s / 1e9:>9.2f} {copy_s / gather_s:>11.2f}"
+        if args.beside_busy_thread:
+            beside_s = beside_busy_thread(lambda: on_worker(lambda: link.gather(pool, index, landing, None)),
+                                          args.repeats)
+            line += f" {nbytes / beside_s / 1e9:>25.2f}"
         if cuda:
             def to_device():
                 link.gather(pool, index, landing, dev)

@@ -43,9 +43,10 @@ Two parts:
   sim     one sim-mode forward (modes.sim_logits, dense_rows=0; methods that compress a prompt get half the
           tokens as their prompt) at each --sim-tokens on tiny-llama-gqa and smollm2-135m's shape with random
           weights (model.random_init=true). The method's bind (InfiniGen's calibration) runs once before and is
-          not counted. Methods that loop over rows in Python (H2O, TOVA) dispatch ops per row: their counts are
-          large, and a point whose projected time exceeds --sim-budget seconds is skipped (said so in the table
-          and in its row)
+          not counted. A sim forward syncs the host once, in transformers (SIM_MASK_SYNC); closed-form methods
+          dispatch as many ops at every length from 1024 to 8192 tokens (contract.chunk_rows); H2O and TOVA (SEQUENTIAL)
+          replay their decoded rows in order, a few ops per row and layer, and a point whose projected time exceeds
+          --sim-budget seconds is skipped (said so in the table and in its row)
 
 Every method runs as its `stand_in()` (the contract's copy for random weights: InfiniGen calibrates on random
 ids, no data folder is read). With --results DIR every point is a row of that store (task `ops`,
@@ -98,6 +99,16 @@ PROMPTS, BATCHES, SIM_TOKENS = (512, 2048), (1, 8), (512, 1024, 2048)
 STEPS, SKIP = 12, 2  # decode steps per point; steady = steps [SKIP, STEPS - 1) (an evicting method does not evict
 # at every step: H2O's budgets grow every 1/fraction tokens, and its nonzero runs only at the steps that evict)
 SIM_BUDGET = 120.0  # seconds a sim point may be projected to take before it is skipped
+# The one host sync a sim forward keeps, whatever the method (full attention's too): transformers'
+# create_causal_mask, given no attention mask and no cache, checks the position ids for packed sequences
+# (masking_utils.find_packed_sequence_indices: `(packed_sequence_mask[:, -1] == 0).all()` read on the host), once
+# per forward, before it calls the mask function the adapter registers, so no mask function avoids it.
+# `modes.sim_*` through `adapter.final_hidden` is where the repository's code asks for it.
+SIM_MASK_SYNC = {"is_nonzero": 1}
+SIM_MASK_SITE = "infinigen/adapter.py"
+# methods whose exact semantics evict in order, one decoded row at a time (baselines/evict_rows.py replays their
+# rows): their ops grow with t by a few per decoded row and layer; every other method's sim forward is closed-form
+SEQUENTIAL = ("h2o", "tova")
 # the paper's rows: (method, runtime) whose steady decode step must not synchronise the host (tests/test_bench_ops)
 PAPER_ROWS = (("full", "ideal"), ("full", "auto"), ("offload", "auto"), ("quant", "auto"), ("h2o", "auto"),
               ("infinigen", "auto"))

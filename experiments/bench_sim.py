@@ -11,13 +11,30 @@ kv_fraction. Table 2 (--scaling lengths, default 1k/2k/4k/8k; none = skipped): s
 them per length. Peak memory on CPU is the process's high-water RSS (VmHWM, reset through /proc/self/clear_refs
 after freed memory is returned with malloc_trim) minus the RSS before the run; on CUDA, max_memory_allocated
 minus the memory allocated before. A benchmark script, not a test: run it on an otherwise idle machine.
+
+For a GPU (experiments/gpu_check.sh --sim):
+
+    python experiments/bench_sim.py --device cuda --random-init --tokens 8192 --scaling 2048 --repeats 1 \
+        --prompt-for-compressors --capture-variants --budget 240 --out OUT/sim_seconds.jsonl
+
+--random-init: the model's shape with random weights and random ids (no weights, tokenizer or text needed;
+methods run as their `stand_in()`, InfiniGen calibrating on random ids). --prompt-for-compressors: a method that
+compresses a prompt (SnapKV, ShadowKV) gets half the tokens as its prompt instead of being skipped.
+--capture-variants: H2O and TOVA also with `capture=graph` and `capture=compile` (their row loop through a
+captured CUDA graph; baselines/evict_rows.py); on a device where it captures, such a label's first call at a
+length (the capture, the compilation) is untimed and reported as first_seconds. --out: one JSON line per point as
+it finishes (seconds, x full: the `full` method's sim forward at the same length, x sdpa, peak MiB, kv_fraction,
+whether the captured path ran). --budget: no point starts after this many seconds (the rest are written as
+skipped), so a time-limited run still returns what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
+import json
 import os
 import statistics
 import sys
@@ -56,6 +73,14 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda if available else cpu")
     p.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--random-init", action="store_true",
+                   help="the model's shape with random weights and random ids (no weights or text needed)")
+    p.add_argument("--prompt-for-compressors", action="store_true",
+                   help="methods that compress a prompt get half the tokens as their prompt instead of being skipped")
+    p.add_argument("--capture-variants", action="store_true",
+                   help="also run each method that has a `capture` option with capture=graph and capture=compile")
+    p.add_argument("--budget", type=float, default=None, help="start no point after this many seconds")
+    p.add_argument("--out", default=None, help="append one JSON line per point here")
     return p.parse_args(argv)
 
 
@@ -141,67 +166,164 @@ def text_ids(tokenizer, data_dir: str, n: int, vocab: int) -> torch.Tensor:
 
 
 REFERENCES = ("model sdpa", "model eager")
+CAPTURE_VARIANTS = ("graph", "compile")
+
+
+@dataclasses.dataclass
+class Entry:
+    """One benchmarked label: a conf/method (with --set overrides and, for a capture variant, capture=...)."""
+
+    label: str
+    name: str
+    method: object
+    capture: str = "none"
+
+
+def entries_of(names, overrides, data_dir, random_init: bool, variants: bool) -> list[Entry]:
+    """The labels to run, in order: each method, its capture=graph variant right after it, capture=compile ones
+    last (they compile, the slowest to start)."""
+    out, late = [], []
+    for name in names:
+        method = build_method(name, overrides.get(name, []), data_dir)
+        label = name + "".join(f" {o}" for o in overrides.get(name, []))
+        out.append(Entry(label, name, method.stand_in() if random_init else method, getattr(method, "capture", "none")))
+        if variants and "capture" in {f.name for f in dataclasses.fields(method)}:
+            for capture in CAPTURE_VARIANTS:
+                variant = dataclasses.replace(method, capture=capture)
+                entry = Entry(f"{label} capture={capture}", name, variant.stand_in() if random_init else variant,
+                              capture)
+                (out if capture == "graph" else late).append(entry)
+    return out + late
+
+
+def load_model(args, device: str, positions: int):
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    if args.random_init:
+        cfg.random_init = True
+        if positions > int(cfg.arch.get("max_position_embeddings") or 0):
+            cfg.arch.max_position_embeddings = positions
+    return adapter.load(cfg, device=device)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     names, overrides = chosen_methods(args.methods, args.set)
-    methods = {name: build_method(name, overrides.get(name, []), args.data_dir) for name in names}  # fail early
-    if not args.dense_rows:  # a prompt-compressing method (SnapKV) has no prompt to compress at dense_rows=0
-        skipped = [name for name, m in methods.items() if m.needs_prompt]
+    entries = entries_of(names, overrides, args.data_dir, args.random_init, args.capture_variants)  # fail early
+    if not args.dense_rows and not args.prompt_for_compressors:
+        # a prompt-compressing method (SnapKV) has no prompt to compress at dense_rows=0
+        skipped = sorted({e.name for e in entries if e.method.needs_prompt})
         if skipped and args.methods:
-            raise SystemExit(f"{skipped} compress a prompt: give --dense-rows > 0")
+            raise SystemExit(f"{skipped} compress a prompt: give --dense-rows > 0 or --prompt-for-compressors")
         for name in skipped:
             print(f"# {name}: skipped (compresses a prompt; run with --dense-rows > 0)")
-            del methods[name]
-        names = [n for n in names if n not in skipped]
-    labels = {name: name + "".join(f" {o}" for o in overrides.get(name, [])) for name in names}
+        entries = [e for e in entries if e.name not in skipped]
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = adapter.load(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), device=device)
-    limit = getattr(model.config, "max_position_embeddings", None)
     lengths = sorted({args.tokens, *args.scaling})
+    model, tokenizer = load_model(args, device, max(lengths))
+    limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and max(lengths) > limit:
         raise SystemExit(f"{max(lengths)} tokens exceed the model's max_position_embeddings={limit}")
-    ids = text_ids(tokenizer, args.data_dir, max(lengths), model.config.vocab_size).to(device)
+    if args.random_init:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (1, max(lengths)), generator=gen).to(device)
+    else:
+        ids = text_ids(tokenizer, args.data_dir, max(lengths), model.config.vocab_size).to(device)
 
     def reference(implementation: str, x):
         with torch.inference_mode(), adapter.attn_implementation(model, implementation):
             model(x, use_cache=False)
 
-    def sim(method, x):
-        method.reset_stats()
-        modes.sim_logits(model, method, x, dense_rows=args.dense_rows, attention=args.attention)
+    def dense_rows(entry: Entry, n: int) -> int:
+        compresses = args.prompt_for_compressors and not args.dense_rows and entry.method.needs_prompt
+        return n // 2 if compresses else args.dense_rows
+
+    def sim(entry: Entry, x):
+        entry.method.reset_stats()
+        modes.sim_logits(model, entry.method, x, dense_rows=dense_rows(entry, x.shape[1]), attention=args.attention)
 
     runs = {"model sdpa": lambda x: reference("sdpa", x), "model eager": lambda x: reference("eager", x)}
-    runs |= {labels[name]: (lambda x, m=methods[name]: sim(m, x)) for name in names}
+    runs |= {e.label: (lambda x, e=e: sim(e, x)) for e in entries}
+    by_label = {e.label: e for e in entries}
     reference("sdpa", ids[:, : min(lengths)])  # warm-up (allocator, thread pool)
-    print(f"# {args.model}, dense_rows={args.dense_rows}, attention={args.attention}, device={device}, "
-          f"threads={torch.get_num_threads()}, median of {args.repeats}", flush=True)
+    for entry in entries:  # bind once, untimed: InfiniGen calibrates here (cached per model), not in a timed call
+        with adapter.install(model, entry.method, mode="sim", dense_rows=0, max_len=max(lengths)):
+            pass
+    print(f"# {args.model}{' (random init)' if args.random_init else ''}, dense_rows={args.dense_rows}, "
+          f"attention={args.attention}, device={device}, threads={torch.get_num_threads()}, median of "
+          f"{args.repeats}", flush=True)
     results: dict[tuple[int, str], dict] = {}
+    meta = run_meta(args, device)
+    t0 = time.perf_counter()
     for n in [args.tokens] + [n for n in args.scaling if n != args.tokens]:
         for label, fn in runs.items():
+            entry = by_label.get(label)
+            point = {"tokens": n, "label": label, "method": entry.name if entry else label,
+                     "capture": entry.capture if entry else "none",
+                     "dense_rows": dense_rows(entry, n) if entry else 0}
+            if args.budget is not None and time.perf_counter() - t0 > args.budget:
+                point["skipped"] = f"--budget {args.budget:g} s spent"
+                write_point(args.out, meta, point)
+                print(f"  {n} tokens, {label}: skipped ({point['skipped']})", file=sys.stderr, flush=True)
+                continue
+            if entry is not None and entry.capture != "none" and device.startswith("cuda"):
+                first, _ = measure(lambda: fn(ids[:, :n]), 1, device)  # the capture (and compilation): untimed
+                point["first_seconds"] = first
             seconds, peak = measure(lambda: fn(ids[:, :n]), args.repeats, device)
-            name = label.split(" ")[0]
-            kv = methods[name].stats.summary().get("kv_fraction", float("nan")) if name in methods else 1.0
-            results[(n, label)] = {"seconds": seconds, "peak_mib": peak, "kv_fraction": kv}
+            kv = entry.method.stats.summary().get("kv_fraction", float("nan")) if entry else 1.0
+            point.update(seconds=seconds, peak_mib=peak, kv_fraction=kv,
+                         capture_used=bool(getattr(entry.method, "capture_used", False)) if entry else False)
+            results[(n, label)] = point
+            for ref in ("full", "model sdpa"):
+                if (n, ref) in results:
+                    point[f"x_{ref.replace('model ', '')}"] = seconds / results[(n, ref)]["seconds"]
+            write_point(args.out, meta, point)
             print(f"  {n} tokens, {label}: {seconds:.2f} s, +{peak:.0f} MiB", file=sys.stderr, flush=True)
 
     width = max(len(label) for label in runs)
-    sdpa = results[(args.tokens, "model sdpa")]
+    sdpa = results.get((args.tokens, "model sdpa"))
     print(f"\n{args.tokens} tokens\n{'':<{width}}  {'seconds':>8}  {'x sdpa':>7}  {'peak MiB':>8}  {'x sdpa':>7}  "
           f"{'kv_fraction':>11}")
     for label in runs:
-        r = results[(args.tokens, label)]
+        r = results.get((args.tokens, label))
+        if r is None or sdpa is None:
+            print(f"{label:<{width}}  skipped")
+            continue
         print(f"{label:<{width}}  {r['seconds']:8.2f}  {r['seconds'] / sdpa['seconds']:7.2f}  {r['peak_mib']:8.0f}  "
               f"{r['peak_mib'] / max(sdpa['peak_mib'], 1):7.2f}  {r['kv_fraction']:11.4f}")
     if args.scaling:
         print("\nscaling: seconds / peak MiB above the loaded model")
         print(f"{'':<{width}}" + "".join(f"  {f'{n} tokens':>16}" for n in args.scaling))
         for label in runs:
-            cells = [f"{results[(n, label)]['seconds']:.2f} s / {results[(n, label)]['peak_mib']:.0f}" for n in args.scaling]
+            cells = [f"{results[(n, label)]['seconds']:.2f} s / {results[(n, label)]['peak_mib']:.0f}"
+                     if (n, label) in results else "skipped" for n in args.scaling]
             print(f"{label:<{width}}" + "".join(f"  {c:>16}" for c in cells))
+    if "full" in runs:
+        print("\nx full (the full method's sim forward at the same length)")
+        for label in runs:
+            cells = [f"{results[(n, label)]['seconds'] / results[(n, 'full')]['seconds']:.2f}"
+                     if (n, label) in results and (n, "full") in results else "-" for n in lengths]
+            print(f"{label:<{width}}" + "".join(f"  {c:>10}" for c in cells) + f"   ({', '.join(map(str, lengths))})")
     return results
+
+
+def run_meta(args, device: str) -> dict:
+    from experiments import runner
+
+    meta = {"bench": "sim_seconds", "model": args.model, "random_init": args.random_init, "device": device,
+            "attention": args.attention, "repeats": args.repeats, "torch": torch.__version__,
+            "git_commit": runner.git_commit(), "threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        meta["gpu"] = torch.cuda.get_device_name()
+    return meta
+
+
+def write_point(path: str | None, meta: dict, point: dict) -> None:
+    if path is None:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({**meta, **point}, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ On a CPU the host is the device: h2d_gbps and d2h_gbps are null (nothing crosses
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -377,10 +379,11 @@ def link_gbps(device, nbytes: int, timed) -> dict:
             "pageable_gbps": nbytes / timed(lambda: dev.copy_(pageable), 3) / 1e9}
 
 
-def host_gather_rates(dtype, scale: dict, threads: list[int]) -> dict:
+def host_gather_rates(dtype, scale: dict, threads: list[int], busy: bool = False) -> dict:
     """Rows of a host pool gathered into a pinned-size landing buffer as the runtime's host gather does it
     (`Link.gather`: sorted row indices split over gather threads, one intra-op thread each), per thread count
-    (bytes read + written per second); a runtime without a split gather: one index_select at torch's threads."""
+    (bytes read + written per second); a runtime without a split gather: one index_select at torch's threads.
+    busy: beside a busy launching thread (`beside_busy_thread`), as the runtime gathers."""
     from infinigen.offload import link as link_module
 
     rows, width = scale["pool_rows"], 256  # 512-byte float16 rows (K|V of head_dim 128)
@@ -388,7 +391,7 @@ def host_gather_rates(dtype, scale: dict, threads: list[int]) -> dict:
     index = torch.randint(0, rows, (rows // 4,)).sort().values
     out = torch.empty(index.numel(), width, dtype=dtype)
     moved = 2 * out.numel() * out.element_size()
-    timed = _timer(torch.device("cpu"))
+    timed = beside_busy_thread if busy else _timer(torch.device("cpu"))
     rates = {}
     for t in threads:
         if t == 1:  # one thread's rate: no intra-op threads either
@@ -401,7 +404,8 @@ def host_gather_rates(dtype, scale: dict, threads: list[int]) -> dict:
         elif hasattr(link_module.Link, "gather"):
             link = link_module.Link("cpu", threaded=True, gather_threads=t)
             try:
-                rates[t] = moved / timed(lambda: link.gather(pool, index, out, None), 3) / 1e9
+                on_worker = lambda: link.submit(lambda: link.gather(pool, index, out, None)).result()  # noqa: E731
+                rates[t] = moved / timed(on_worker, 3) / 1e9
             finally:
                 link.close()
         else:
@@ -412,6 +416,27 @@ def host_gather_rates(dtype, scale: dict, threads: list[int]) -> dict:
             finally:
                 torch.set_num_threads(before)
     return rates
+
+
+def beside_busy_thread(fn, repeats: int) -> float:
+    """Median seconds of fn() while another thread keeps one core busy without holding the GIL, as the runtime's
+    launching thread does through a decode step (dispatching ops, or spin-waiting at a synchronisation or an event:
+    CUDA spins while a process has fewer contexts than cores). A gather whose threads take every core then shares
+    one of them (this CPU, 2 cores: 0.64-0.67 of its rate alone at 2 threads, unchanged at 1)."""
+    data = bytes(1 << 20)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # releases the GIL for buffers this large
+
+    neighbour = threading.Thread(target=busy, daemon=True)
+    neighbour.start()
+    try:
+        return best(fn, repeats)
+    finally:
+        stop.set()
+        neighbour.join()
 
 
 def physical_cores() -> int | None:
@@ -450,8 +475,10 @@ def cuda_profile(model: str = "opt-13b", device: str = "cuda", smoke: bool = Fal
                          on the device, batch 96, 1024 and 4096 tokens): the census counter's extra streamed bytes
                          per step over the step's extra seconds (`context_rate`)
       gather_gbps        index_select of rows on the device (source + index + output bytes)
-      host_gbps          the runtime's host gather at its gather thread count (bytes read + written);
-                         host_op_gbps the same on one thread; host_gbps_threads per thread count
+      host_gbps          the runtime's host gather at its gather thread count (bytes read + written) beside a
+                         busy launching thread, as it runs; host_op_gbps one thread alone; host_gbps_threads per
+                         thread count alone; host_gbps_threads_busy beside a busy thread, at the runtime's
+                         threads and at every core (the 2f67c00 runtime's arrangement)
       device_memory_gib  the device's memory
     """
     from omegaconf import OmegaConf
@@ -499,7 +526,12 @@ def cuda_profile(model: str = "opt-13b", device: str = "cuda", smoke: bool = Fal
     rates = host_gather_rates(dtype, scale, sorted({1, 4, 8, threads, torch.get_num_threads()}))
     out["host_gbps"], out["host_op_gbps"] = round(rates[threads], 2), round(rates[1], 2)
     out["host_gbps_threads"] = {t: round(r, 2) for t, r in rates.items()}
-    progress(f"host gather {out['host_gbps_threads']} GB/s by threads (runtime: {threads})")
+    cores = physical_cores() or os.cpu_count() or threads
+    busy = host_gather_rates(dtype, scale, sorted({threads, cores}), busy=True)
+    out["host_gbps_threads_busy"] = {t: round(r, 2) for t, r in busy.items()}
+    out["host_gbps"] = out["host_gbps_threads_busy"][threads]  # as the runtime gathers: its launching thread busy
+    progress(f"host gather {out['host_gbps_threads']} GB/s by threads (runtime: {threads}); beside a busy "
+             f"launching thread {out['host_gbps_threads_busy']}")
     out["device_memory_gib"] = round((torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda"
                                       else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30, 1)
     out["dispatch"] = "ops"

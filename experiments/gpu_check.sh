@@ -12,9 +12,21 @@
 #
 #   bash experiments/gpu_check.sh [OUT]               # on the GPU machine, from the repo root (OUT: $OUT, else
 #                                                     # .gpu_check/out)
+#   bash experiments/gpu_check.sh --sim [OUT]         # instead, on the GPU machine (~5 minutes; its own run, as
+#                                                     # the steps above already fill six): the sim forward check
 #   bash experiments/gpu_check.sh --cpu-smoke [OUT]   # the same steps at tiny-opt's shape (float16) on a CPU, in
-#                                                     # seconds: calibrate's dry run, then steps 2 and 3 (CI runs it)
+#                                                     # seconds: calibrate's dry run, then steps 2 and 3, then the
+#                                                     # sim check's dry run at tiny-llama-gqa (CI runs it)
 #   bash experiments/gpu_check.sh --fetch-wheels      # once, where pip reaches PyPI: what the GPU image lacks
+#
+# --sim: seconds of one sim-mode forward (modes.sim_logits) per method at 8192 then 2048 tokens on smollm2-135m's
+# shape (random init, float32, random ids) against the `full` method's sim forward (a dense causal forward), H2O
+# and TOVA also with capture=graph and capture=compile (their row loop as a captured CUDA graph per block of rows;
+# baselines/evict_rows.py) -> OUT/sim_seconds.jsonl, one row per point as it finishes (experiments/bench_sim.py
+# --out), and a printed table (x full per length). Methods run in order of interest (full, H2O, TOVA, InfiniGen,
+# then the closed-form ones, the compiling capture variants last); no point starts after 240 s (the rest are
+# written as skipped rows), the step's hard limit is 300 s. Targets (issue 43): every closed-form method <= 3x
+# full at 8k, H2O and TOVA <= 6x.
 #
 # --fetch-wheels puts pinned pure-Python wheels (transformers, hydra-core, omegaconf, antlr4) and the pg19 text
 # InfiniGen calibrates on into .gpu_check/ (git-ignored through .git/info/exclude); a GPU run installs the wheels
@@ -61,12 +73,15 @@ case "$mode" in
     ls -l .gpu_check/wheels
     exit 0 ;;
   --cpu-smoke) OUT=${2:-${OUT:-$(mktemp -d)}} ;;
+  --sim) OUT=${2:-${OUT:-.gpu_check/out}} ;;
   gpu | */* | .* | [a-zA-Z0-9_]*) [ "$mode" = gpu ] && OUT=${OUT:-.gpu_check/out} || OUT=$mode ;;
-  *) echo "usage: bash experiments/gpu_check.sh [OUT | --cpu-smoke [OUT] | --fetch-wheels]" >&2; exit 2 ;;
+  *) echo "usage: bash experiments/gpu_check.sh [OUT | --sim [OUT] | --cpu-smoke [OUT] | --fetch-wheels]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
-rm -f "$OUT/latency.jsonl" "$OUT/latency_modelled.jsonl"
-data=$(data_dir) || exit 1
+# each mode starts its own rows afresh (the writers append) and leaves the other mode's in OUT
+[ "$mode" = --sim ] || rm -f "$OUT/latency.jsonl" "$OUT/latency_modelled.jsonl"
+case "$mode" in --sim | --cpu-smoke) rm -f "$OUT/sim_seconds.jsonl" ;; esac
+if [ "$mode" != --sim ]; then data=$(data_dir) || exit 1; fi  # --sim reads no text (random ids, random weights)
 rows="ideal quant-int4 h2o infinigen-b0.05 infinigen-b0.05-zero-copy offload"  # offload, the slowest, last: a
 # timeout costs the least there
 
@@ -79,6 +94,9 @@ if [ "$mode" = --cpu-smoke ]; then
   [ -f "$OUT/latency.jsonl" ] && step "modelled beside measured (an H200's profile: the code path, not a comparison)" \
     120 "$PY" -m experiments.validate_gpu --rows "$OUT/latency.jsonl" --profile conf/hardware/h200_pcie5_measured.yaml \
     --census live --out "$OUT/latency_modelled.jsonl"
+  step "sim forward seconds (dry run of --sim: tiny-llama-gqa, 64 tokens)" 120 "$PY" experiments/bench_sim.py \
+    --device cpu --model tiny-llama-gqa --random-init --tokens 64 --scaling --repeats 1 --prompt-for-compressors \
+    --capture-variants --methods full h2o tova --budget 60 --out "$OUT/sim_seconds.jsonl"
   echo "== [$(($(date +%s) - T0)) s] done (status $status): $OUT"
   exit $status
 fi
@@ -93,6 +111,15 @@ assert torch.cuda.is_available(), 'no CUDA device visible'
 print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(),
       '|', os.cpu_count(), 'CPUs, torch intra-op threads', torch.get_num_threads())"
 [ $status -ne 0 ] && { echo "no usable GPU environment: stopping"; exit $status; }
+if [ "$mode" = --sim ]; then
+  step "sim forward seconds: smollm2-135m shape (random init), 8192 then 2048 tokens, x full" 300 "$PY" \
+    experiments/bench_sim.py --device cuda --model smollm2-135m --random-init --tokens 8192 --scaling 2048 \
+    --repeats 1 --prompt-for-compressors --capture-variants --budget 240 --out "$OUT/sim_seconds.jsonl" \
+    --methods full h2o tova infinigen streaming random_topk quant kivi quest oracle rocketkv snapkv shadowkv offload
+  echo "== [$(($(date +%s) - T0)) s] done (status $status): $OUT ($(ls "$OUT" | tr '\n' ' '))"
+  echo "   commit: $OUT/sim_seconds.jsonl -> docs/gpu/run_DATE/"
+  exit $status
+fi
 command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
 command -v lscpu > /dev/null && lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" || true
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from infinigen.corpora import check_dataset, corpus_text
+from infinigen.offload.paper import SCHEDULES  # overlapped: this project's runtime (perf.py) | paper: the artifact's
 
 # torch and the runtime are imported where used: `validate` must stay cheap to import
 PROMPTS = ("auto", "text", "random")
@@ -52,11 +53,22 @@ def validate(task, data_dir) -> None:
         check_dataset(task.dataset, data_dir)
     if task.get("timing", "measured") not in TIMINGS:
         raise ValueError(f"task.timing must be one of {TIMINGS}, got {task.get('timing')!r}")
+    schedule = task.get("schedule", "overlapped")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"task.schedule must be one of {SCHEDULES}, got {schedule!r}")
     fraction = task.get("fetch_fraction")
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                 or not 0 < fraction <= 1):
-        raise ValueError(f"task.fetch_fraction must be null (measured rows: task.fractions_from) or a fraction in "
-                         f"(0, 1], got {fraction!r}")
+    if fraction == "paper" and schedule != "paper":
+        raise ValueError("task.fetch_fraction=paper (the paper's reported OPT-13B fetch) needs task.schedule=paper")
+    if fraction not in (None, "paper") and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                            or not 0 < fraction <= 1):
+        raise ValueError(f"task.fetch_fraction must be null (measured rows: task.fractions_from), paper (with "
+                         f"task.schedule=paper) or a fraction in (0, 1], got {fraction!r}")
+    if schedule == "paper":
+        if task.get("timing", "measured") != "modelled":
+            raise ValueError("task.schedule=paper models the paper's runtime: it needs task.timing=modelled")
+        from infinigen.offload.paper import switches
+
+        switches(task.get("paper"))
     from infinigen.offload.runtime import GATHERS, RUNTIMES  # the runtime owns the lists (imports torch: last)
 
     if task.get("runtime") not in RUNTIMES:
@@ -78,14 +90,27 @@ def validate_config(cfg, method) -> None:
             raise ValueError("task.prompt=text needs a model with a tokenizer; a random_init model has none "
                              "(use task.prompt=random or auto)")
         return
-    from infinigen.offload import perf
+    from infinigen.offload import paper, perf
 
-    perf.hardware(cfg.get("hardware"))
+    hw = perf.hardware(cfg.get("hardware"))
+    if cfg.task.get("schedule", "overlapped") == "paper":
+        from experiments.runner import method_name
+
+        if method_name(cfg) not in paper.PAPER_METHODS:
+            raise ValueError(f"task.schedule=paper replays the artifact's runtime for the methods the paper ran "
+                             f"({', '.join(paper.PAPER_METHODS)}), not method={method_name(cfg)}")
+        if hw.host_is_device:
+            raise ValueError(f"task.schedule=paper needs a GPU profile (hardware=a6000_pcie3, the paper's), not "
+                             f"hardware={hw.name}, a CPU's")
+        if cfg.task.get("fetch_fraction") == "paper":
+            return
     layer_fractions(cfg, method)
 
 
 def _method_key(params: dict) -> dict:
-    return {k: v for k, v in params.items() if k not in ("name", "size_params", "calib_data_dir", "cache_dir")}
+    from infinigen.semantic import semantic_method
+
+    return {k: v for k, v in semantic_method(params).items() if k not in ("name", "size_params", "cache_dir")}
 
 
 def measured_fractions(store_dir: Path, model: str, method_name: str, params: dict) -> tuple[list[float], str]:
@@ -162,8 +187,20 @@ def run_modelled(cfg, method, fractions: list[float] | None = None, source: str 
     hw = perf.hardware(cfg.get("hardware"))
     shape = perf.Shape.of(cfg.model)
     kinds = [layer_kind(method, shape.layer(i), task.runtime) for i in range(shape.layers)]
-    if fractions is None:
+    if fractions is None and task.get("fetch_fraction") == "paper":
+        fractions, source = "paper", "the paper's reported OPT-13B fetch (infinigen/offload/paper.py)"
+    elif fractions is None:
         fractions, source = layer_fractions(cfg, method)
+    if task.get("schedule", "overlapped") == "paper":
+        from infinigen.offload import paper
+
+        paper_cfg = task.get("paper")
+        row = paper.modelled(method, cfg.model, hw, task.runtime, task.batch_size, task.prompt_len, task.gen_len,
+                             fractions, None if paper_cfg is None else dict(paper_cfg))
+        return {"batch_size": task.batch_size, "prompt_len": task.prompt_len, "gen_len": task.gen_len,
+                "timing": "modelled", "hardware": hw.name, "hardware_profile": dict(cfg.hardware),
+                "runtime": run_kind(method, task.runtime), "dtype": shape.dtype, "fractions_source": source,
+                "layer_fetch_fraction": fractions, **row}
     ops = census.census(cfg.model, method, task.runtime, task.batch_size, kinds)
     steps = perf.modelled_steps(hw, cfg.model, method, task.runtime, task.batch_size, task.prompt_len, task.gen_len,
                                 fractions)

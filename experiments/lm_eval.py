@@ -47,10 +47,10 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from experiments.lm_eval_protocols import check_protocol
 from experiments.lm_eval_tasks import LOCAL_TASKS, check_include_path, resolve_task_names, task_manager
 from experiments.lm_eval_tasks import ruler
 
-PROTOCOLS = ("paper", "serving")
 BOOTSTRAP_ITERS = 1000  # stderr of non-mean metrics only (acc/acc_norm stderr are closed-form)
 
 
@@ -117,8 +117,7 @@ def _is_int(x) -> bool:
 
 def validate(task, data_dir) -> None:
     protocol = task.get("protocol")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"task.protocol must be one of {list(PROTOCOLS)}, got {protocol!r}")
+    check_protocol(protocol)
     nshot = task.get("num_fewshot")
     if nshot is not None and (not _is_int(nshot) or nshot < 0):
         raise ValueError(f"task.num_fewshot must be null (each task's default) or an integer >= 0, got {nshot!r}")

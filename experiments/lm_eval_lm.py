@@ -12,7 +12,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from experiments.lm_eval import PROTOCOLS
+from experiments.lm_eval_protocols import check_protocol, dense_rows_of
 from infinigen import adapter, modes
 
 
@@ -33,8 +33,7 @@ class KVMethodLM(HFLM):
         batch_size: int = 1,
         max_length: int | None = None,
     ):
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        check_protocol(protocol, "protocol")
         if tokenizer is None:
             if model.config.vocab_size < 257:
                 raise ValueError(f"byte_tokenizer needs a vocab of >= 257 ids, model has {model.config.vocab_size}")
@@ -69,7 +68,7 @@ class KVMethodLM(HFLM):
         groups: dict[tuple[int, int], dict[tuple[int, ...], list[int]]] = {}  # (rows, dense_rows) -> input -> requests
         for i, (_, context_enc, continuation_enc) in enumerate(requests):
             inp = self.model_input(context_enc, continuation_enc)
-            dense = len(inp) - (len(continuation_enc) - 1) if self.protocol == "serving" else self.dense_rows
+            dense = dense_rows_of(self.protocol, len(inp), len(continuation_enc), self.dense_rows)
             groups.setdefault((len(inp), dense), {}).setdefault(inp, []).append(i)
         out: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:

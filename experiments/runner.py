@@ -26,13 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis import store
 from experiments.lm_eval_tasks import tasks_identity
-from experiments.lm_eval_tasks.ruler import QA, haystack_identity, ruler_names
+from experiments.lm_eval_tasks.ruler import haystack_identity, ruler_names
 from infinigen import corpora
-
-# config keys that do not change what is computed (excluded from the config hash); data folders are replaced by
-# the content identity of the data read from them (data_identity)
-NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress", "debug")
-NON_SEMANTIC_METHOD = ("calib_data_dir",)
+from infinigen.semantic import semantic_config  # what a run computes: the config hash's input
 
 
 class UserError(ValueError):
@@ -119,25 +115,6 @@ def data_identity(cfg) -> dict:
             out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir, task.get("qa_data"))
     if cfg.method.get("calibration") and needs_model(cfg):  # a modelled run binds nothing: reads no calibration
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
-    return out
-
-
-# lm_eval options only RULER tasks read (the QA files only its QA tasks): a run without one computes the same
-# whatever they say
-RULER_OPTIONS = ("max_seq_lengths", "haystack")
-QA_OPTIONS = ("qa_data",)
-
-
-def semantic_config(config: dict) -> dict:
-    """What a run computes: a resolved config without locations, bookkeeping and options the run does not read."""
-    out = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
-    out["method"] = {k: v for k, v in out.get("method", {}).items() if k not in NON_SEMANTIC_METHOD}
-    task = out.get("task")
-    if isinstance(task, dict) and task.get("name") == "lm_eval":
-        names = [task["tasks"]] if isinstance(task.get("tasks"), str) else list(task.get("tasks") or [])
-        unread = ((RULER_OPTIONS if not ruler_names(names) else ())
-                  + (QA_OPTIONS if not any(name in QA for name in names) else ()))
-        out["task"] = {k: v for k, v in task.items() if k not in unread}
     return out
 
 

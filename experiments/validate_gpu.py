@@ -284,7 +284,8 @@ def validate(rows: list[str] | None = None, profile: str | None = None, census: 
     threads = gather_threads or (FIRST_GATHER_THREADS if first and hw_cfg.get("host_gbps_threads") else None)
     host_gbps = None
     if threads:
-        rates = hw_cfg.get("host_gbps_threads") or {}
+        # that runtime gathered beside a busy launching thread: a profile that measured the gather so is read first
+        rates = {**(hw_cfg.get("host_gbps_threads") or {}), **(hw_cfg.get("host_gbps_threads_busy") or {})}
         if threads not in rates:
             raise ValueError(f"--gather-threads {threads}: the profile's host_gbps_threads has {sorted(rates)}")
         host_gbps = rates[threads]

@@ -61,7 +61,10 @@ def model_config(cfg):
     from transformers import AutoConfig
 
     if cfg.get("random_init"):
-        arch = dict(cfg.arch)
+        from omegaconf import OmegaConf
+
+        # plain lists and dicts: transformers' configs type-check theirs (Gemma 3's layer_types)
+        arch = OmegaConf.to_container(cfg.arch, resolve=True) if OmegaConf.is_config(cfg.arch) else dict(cfg.arch)
         model_type = arch.pop("model_type")
         check_supported(model_type)
         return AutoConfig.for_model(model_type, **arch)
@@ -224,7 +227,10 @@ def _input_norm(block) -> torch.nn.Module:
 
 def post_attention_norm(block) -> torch.nn.Module:
     """The norm whose input is the residual stream right after the block's attention was added (Llama's
-    post_attention_layernorm; OPT's final_layer_norm, or its self_attn_layer_norm in post-norm models)."""
+    post_attention_layernorm; Gemma's pre_feedforward_layernorm, its post_attention_layernorm normalising the
+    attention output before the add; OPT's final_layer_norm, or its self_attn_layer_norm in post-norm models)."""
+    if hasattr(block, "pre_feedforward_layernorm"):
+        return block.pre_feedforward_layernorm
     if hasattr(block, "post_attention_layernorm"):
         return block.post_attention_layernorm
     return block.final_layer_norm if block.do_layer_norm_before else block.self_attn_layer_norm
@@ -244,7 +250,10 @@ def final_hidden(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
 
 def lm_head(model) -> torch.nn.Module:
     """hidden -> logits. For every supported family (FAMILIES) the logits are exactly lm_head(final_hidden):
-    no softcapping or logit scale after it."""
+    no softcapping or logit scale after it (a Gemma config that sets one is refused)."""
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        raise ValueError("final_logit_softcapping is set in the model's config: logits scored from "
+                         "lm_head(final_hidden) would not be the model's (Gemma 3 leaves it unset)")
     return model.get_output_embeddings()
 
 
@@ -258,7 +267,8 @@ def ffn_span(block) -> tuple[torch.nn.Module, torch.nn.Module]:
 @dataclass
 class AttentionLayer:
     """What a KV method may know about one attention layer. Queries/keys come out exactly as the attention
-    function sees them (post-RoPE for Llama; projected, biased and, for OPT, pre-scaled queries)."""
+    function sees them (post-RoPE for Llama; per-head RMS-normalised, then rotated for Gemma 3; projected, biased
+    and, for OPT, pre-scaled queries)."""
 
     index: int
     family: str
@@ -269,7 +279,13 @@ class AttentionLayer:
     head_dim: int
     logit_scale: float  # the `scaling` the attention applies to q·k (1.0 for OPT: folded into q)
     query_scale: float  # factor applied to q_proj's output before attention (OPT) or 1.0
+    # a local layer attends the `sliding_window` most recent positions, its own included (Gemma 3's
+    # sliding_attention layers); None: every earlier position (a global layer)
+    sliding_window: int | None = None
+    layer_type: str | None = None  # which of the model's RoPE tables the layer's positions use (Session.rope_of)
     _rope: Callable | None = field(default=None, repr=False)
+    _q_norm: Callable | None = field(default=None, repr=False)  # per-head RMS norm of q / k before RoPE (QK-norm)
+    _k_norm: Callable | None = field(default=None, repr=False)
 
     @property
     def q_proj(self) -> torch.nn.Linear:
@@ -303,16 +319,42 @@ class AttentionLayer:
         rotated, _ = self._rope(x, x[:, :1], cos, sin)
         return rotated
 
-    def queries(self, x: torch.Tensor, position_embeddings=None) -> torch.Tensor:
-        """(b, t, hidden) normalised attention input -> (b, h, t, d) as the attention sees them."""
-        return self.rope(self._heads(self.q_proj(x) * self.query_scale), position_embeddings)
+    def queries(self, x: torch.Tensor, position_embeddings=None, rms: bool = True) -> torch.Tensor:
+        """(b, t, hidden) normalised attention input -> (b, h, t, d) as the attention sees them. rms=False (QK-norm
+        layers): the norm's per-channel weight without the division by each head vector's RMS, i.e. each query
+        head as the attention sees it times its RMS (a positive factor per head and row)."""
+        y = self._heads(self.q_proj(x) * self.query_scale)
+        if self._q_norm is not None:
+            y = self._q_norm(y) if rms else norm_weight_only(self._q_norm, y)
+        return self.rope(y, position_embeddings)
 
     def keys(self, x: torch.Tensor, position_embeddings=None) -> torch.Tensor:
-        return self.rope(self._heads(self.k_proj(x)), position_embeddings)  # (b, h_kv, t, d)
+        y = self._heads(self.k_proj(x))
+        if self._k_norm is not None:
+            y = self._k_norm(y)
+        return self.rope(y, position_embeddings)  # (b, h_kv, t, d)
+
+
+def norm_weight_only(norm: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm without its normalisation: y * (1 + weight), computed in float32 and cast back as the norm
+    computes (Gemma3RMSNorm.forward)."""
+    return (y.float() * (1.0 + norm.weight.float())).type_as(y)
+
+
+def _sliding_window(config, attn) -> int | None:
+    """The window of a local layer (as transformers' mask for it is built), None for a global one: Gemma 3 and
+    Qwen2 mark it per layer; Mistral applies config.sliding_window to every layer."""
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    return getattr(attn, "sliding_window", None)
 
 
 def attention_layers(model) -> list[AttentionLayer]:
     family = check_supported(model.config.model_type)
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attn_logit_softcapping is set in the model's config: the attention here computes plain "
+                         "softmax(q·k · scaling) (Gemma 3 leaves it unset)")
+    layer_types = getattr(model.config, "layer_types", None)
     out = []
     for i, block in enumerate(decoder_layers(model)):
         attn = block.self_attn
@@ -331,7 +373,11 @@ def attention_layers(model) -> list[AttentionLayer]:
                 head_dim=head_dim,
                 logit_scale=1.0 if family == "opt" else attn.scaling,
                 query_scale=attn.scaling if family == "opt" else 1.0,
-                _rope=rope if family == "llama" else None,
+                sliding_window=_sliding_window(model.config, attn),
+                layer_type=layer_types[i] if family == "gemma3" else None,
+                _rope=None if family == "opt" else rope,
+                _q_norm=attn.q_norm if family == "gemma3" else None,
+                _k_norm=attn.k_norm if family == "gemma3" else None,
             )
         )
     return out
@@ -486,13 +532,19 @@ class Session:
     # captured only for a method whose `captures` names them (each is a (b, t, hidden) tensor per layer):
     block_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual stream entering its block
     attn_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> residual after its attention
-    position_embeddings: Any = None
+    position_embeddings: Any = None  # the (cos, sin) tables of the layer attending now
+    rope_tables: dict = field(default_factory=dict)  # the current forward's (cos, sin) per layer_type (Gemma 3's two)
     model: Any = None
     plain_causal: bool = True  # the current forward's mask is plain causal (no padding): set per attention call
     causal_masks: dict = field(default_factory=dict)  # the last causal mask built, by (q_len, kv_len, device)
     # sim mode: sequence positions [first, last + 1) of the chunk of rows being attended, host ints (what a method
     # branches or slices on without reading its `rows` tensor back from the device)
     chunk: tuple[int, int] = (0, 0)
+
+    def rope_of(self, layer: AttentionLayer):
+        """The (cos, sin) tables of `layer` in the current forward, also while another layer attends (speculation
+        for layer i runs during layer i-1, whose tables may be the other RoPE base); None without RoPE."""
+        return self.rope_tables.get(layer.layer_type, self.position_embeddings)
 
 
 _BOUND: dict[int, tuple[Session, AttentionLayer]] = {}
@@ -626,6 +678,11 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
 
         return hook
 
+    def rope_tables(module, args, kwargs, output):
+        # Gemma 3 computes one (cos, sin) pair per layer type before its first layer: rotary_emb(x, ids, type)
+        layer_type = kwargs.get("layer_type", args[2] if len(args) > 2 else None)
+        session.rope_tables[layer_type] = output
+
     outer = {id(layer.module): _BOUND.get(id(layer.module)) for layer in layers}  # installs may nest
     for layer in layers:
         _BOUND[id(layer.module)] = (session, layer)
@@ -634,6 +691,9 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     for layer, block in zip(layers, decoder_layers(model)):
         handles.append(post_attention_norm(block).register_forward_pre_hook(attention_end(layer)))
+    rotary = getattr(model.model, "rotary_emb", None)
+    if any(layer.layer_type is not None for layer in layers) and rotary is not None:
+        handles.append(rotary.register_forward_hook(rope_tables, with_kwargs=True))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)
     try:

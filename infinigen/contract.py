@@ -11,6 +11,12 @@
 
 Both modes record the same statistics (`KVStats`), above all `kv_fraction`: the mean fraction of the causal
 KV entries a decoded query row actually attended.
+
+Local layers (a sliding window of W positions, Gemma 3's sliding_attention): every method keeps the model's own
+semantics. A decoded row never attends a position the model's attention would not (sim: transformers' sliding mask
+is the `allowed` every keep set is combined with; decode: `in_window` masks what the base decode steps attend and
+what a gathering method selects), and kv_fraction counts against what full attention attends on that layer
+(`full_past`: the W - 1 positions before the row, not the whole prefix).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ import torch.nn.functional as F
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
 
-SIM_CHUNK = 256  # query rows attended at once in sim mode and in the decode-mode prefill
+# Query rows attended at once in sim mode and in the decode-mode prefill: a sequence is split into SIM_CHUNKS equal
+# chunks of rows, each at most SIM_CHUNK rows (longer sequences: more chunks of SIM_CHUNK rows) and at least
+# SIM_CHUNK / SIM_CHUNKS (shorter sequences: fewer chunks). So a chunk holds at most SIM_CHUNK x t (row, key)
+# pairs (memory linear in t, never t^2); the ops a forward dispatches per chunk are the same at every length from
+# SIM_CHUNK to SIM_CHUNK x SIM_CHUNKS tokens and grow by whole chunks of SIM_CHUNK rows beyond; and each chunk's
+# rows see only the keys up to its last row (with 8 chunks, 9/16 of the (t, t) pairs are computed).
+SIM_CHUNK = 1024
+SIM_CHUNKS = 8
 
 
 def attend(
@@ -100,14 +113,38 @@ def sim_attend(session: Session, q, k, v, keep, scale: float) -> torch.Tensor:
     return attend_fused(q, k, v, keep, scale)[0]
 
 
+def chunk_rows(t: int) -> int:
+    """Rows per sim chunk of a t-row sequence: t / SIM_CHUNKS rounded up, within [SIM_CHUNK / SIM_CHUNKS, SIM_CHUNK]."""
+    return min(SIM_CHUNK, max(-(-t // SIM_CHUNKS), -(-SIM_CHUNK // SIM_CHUNKS), 1))
+
+
 def row_chunks(t: int, split_at: int = 0) -> Iterator[tuple[int, int]]:
-    """(r0, r1) query-row chunks of at most SIM_CHUNK rows covering 0..t; none straddles row `split_at` (so a
-    chunk is either all dense prefill rows or all decoded rows). SIM_CHUNK is read at call time: tests shrink
-    it to cross chunk boundaries on short sequences."""
-    size = SIM_CHUNK
+    """(r0, r1) query-row chunks of `chunk_rows(t)` rows covering 0..t; none straddles row `split_at` (so a chunk
+    is either all dense prefill rows or all decoded rows). SIM_CHUNK is read at call time: tests shrink it to cross
+    chunk boundaries on short sequences."""
+    size = chunk_rows(t)
     for lo, hi in ((0, min(max(split_at, 0), t)), (min(max(split_at, 0), t), t)):
         for r0 in range(lo, hi, size):
             yield r0, min(hi, r0 + size)
+
+
+def full_past(layer: AttentionLayer, position):
+    """Earlier positions the model's own attention lets the row at `position` (an int, or a tensor of them) see on
+    `layer`: all of them on a global layer, the W - 1 before it on a local layer of window W."""
+    window = layer.sliding_window
+    if window is None:
+        return position
+    return min(position, window - 1) if isinstance(position, int) else position.clamp(max=window - 1)
+
+
+def in_window(layer: AttentionLayer, store: KVStore, position: int, past: int | None = None) -> torch.Tensor | None:
+    """(b, h_kv, n) bool: which of the store's first `past` entries (all of them: None) the row at `position` may
+    attend on a local layer, by each entry's position; None where the layer lets it see every one (a global layer,
+    or a row whose window still reaches position 0). Host ints in, nothing read back."""
+    start = position - full_past(layer, position)
+    if start == 0:
+        return None
+    return (store.positions if past is None else store.positions[..., :past]) >= start
 
 
 def chunk_allowed(allowed: torch.Tensor, r0: int, r1: int, offset: int, causal: bool = False) -> torch.Tensor:
@@ -221,6 +258,25 @@ class KVStats:
             out["retain_ratio"] = (1 - math.sqrt(1 - density)) * 100  # the paper's x-axis (InfiniGen Fig. 11)
         out["per_layer"] = {name: self.per_layer(name) for name in self.sums}
         return out
+
+
+def check_budget(budget, budget_tokens, of: str) -> None:
+    """A token budget given one of two ways, as papers give it: `budget`, a fraction in (0, 1] of `of` (the
+    sequence, the prompt), or `budget_tokens`, a count >= 1; exactly one of them, the other null."""
+    if (budget is None) == (budget_tokens is None):
+        got = "neither" if budget is None else f"both ({budget!r} and {budget_tokens!r})"
+        raise ValueError(f"exactly one of method.budget (a fraction of the {of}) and method.budget_tokens (a token "
+                         f"count) is given, got {got}: the other null, e.g. method.budget=null method.budget_tokens=256")
+    if budget is not None and not 0 < budget <= 1:
+        raise ValueError(f"method.budget must be a fraction in (0, 1] of the {of}, got {budget!r}")
+    if budget_tokens is not None and budget_tokens < 1:
+        raise ValueError(f"method.budget_tokens must be a token count >= 1, got {budget_tokens!r}")
+
+
+def budget_at(budget, budget_tokens, length: int) -> float:
+    """The token budget over `length` tokens (checked by `check_budget`): the count, at most `length`, or the
+    fraction of `length` (callers round it as their reference does)."""
+    return float(min(budget_tokens, length)) if budget_tokens is not None else budget * length
 
 
 def check_field_types(method) -> None:
@@ -425,16 +481,19 @@ class KVMethod:
 
     # ------------------------------------------------------------------ decode mode
     def decode_attention(self, session: Session, layer: AttentionLayer, q, store: KVStore) -> torch.Tensor:
-        """One decoded token: q (b, h, 1, d); `store` already holds this token's KV."""
+        """One decoded token: q (b, h, 1, d); `store` already holds this token's KV (a local layer attends those in
+        its window)."""
         keys, values = store.kv()
-        out, _ = attend(q, keys, values, None, layer.logit_scale)
-        self.record_decode(layer, store, store.stored)
+        window = in_window(layer, store, store.seen - 1)  # (b, h_kv, s) or None
+        out, _ = attend(q, keys, values, None if window is None else window[:, :, None], layer.logit_scale)
+        self.record_decode(layer, store, store.stored if window is None else window.sum(-1))
         return out
 
     def record_decode(self, layer: AttentionLayer, store: KVStore, attended) -> None:
+        """kv_fraction of the current row: `attended` entries (its own included) of what full attention attends."""
         b = store.positions.shape[0]
         attended = torch.as_tensor(attended, dtype=torch.float32).expand(b, layer.num_kv_heads)
-        self.stats.add(layer.index, "kv_fraction", attended / store.seen)
+        self.stats.add(layer.index, "kv_fraction", attended / (full_past(layer, store.seen - 1) + 1))
 
 
 @dataclass
@@ -462,8 +521,9 @@ class GatheringMethod(KVMethod):
         """`select` as the offloading runtime gathers it: (index (b, h_kv, k) long, valid (b, h_kv, k) bool), the
         selected entries first in position order, then entries that are not fetched; k =
         `selection_width(...)`, known on the host, so nothing here waits for the device. The default sorts
-        `select`'s mask; a method that ranks with top-k returns its indices directly."""
-        keep = self.select(session, layer, q, store, past, position)
+        `select`'s mask (less what a local layer's window hides); a method that ranks with top-k returns its indices
+        directly, and then selects within the window itself."""
+        keep = self.windowed(layer, store, self.select(session, layer, q, store, past, position), position)
         k = self.selection_width(session, past, position)
         index = torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., :k]  # kept first
         return index, torch.arange(k, device=keep.device) < keep.sum(-1, keepdim=True)
@@ -486,10 +546,17 @@ class GatheringMethod(KVMethod):
         `past` stored vectors of `score_channels` elements."""
         return 2.0 * layer.num_heads * past * self.score_channels(layer)
 
+    @staticmethod
+    def windowed(layer: AttentionLayer, store: KVStore, keep: torch.Tensor, position: int) -> torch.Tensor:
+        """A selection keep (b, h_kv, past) less what a local layer's window hides from the row at `position`."""
+        window = in_window(layer, store, position, keep.shape[-1])
+        return keep if window is None else keep & window
+
     def decode_attention(self, session, layer, q, store):
         if self.offload_kind(layer) != "gather":
             return super().decode_attention(session, layer, q, store)
-        keep = self.select(session, layer, q, store, past=store.stored - 1, position=store.seen - 1)
+        past, position = store.stored - 1, store.seen - 1
+        keep = self.windowed(layer, store, self.select(session, layer, q, store, past, position), position)
         return self.attend_selected(session, layer, q, store, keep)
 
     def attend_selected(self, session, layer, q, store: KVStore, keep: torch.Tensor) -> torch.Tensor:
@@ -497,7 +564,8 @@ class GatheringMethod(KVMethod):
         self.before_step(session, layer, store)
         keys, values, mask = store.selected(keep)
         out, _ = attend(q, keys, values, mask, layer.logit_scale)
-        self.stats.add(layer.index, "kv_fraction", keep.sum(-1), offset=1, scale=1 / store.seen)
+        full = full_past(layer, store.seen - 1) + 1  # what the model's own attention attends at this row
+        self.stats.add(layer.index, "kv_fraction", keep.sum(-1), offset=1, scale=1 / full)
         self.after_step(session, layer, q, store, keep)
         return out
 

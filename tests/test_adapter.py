@@ -7,7 +7,8 @@ from conftest import TINY, load_model, model_cfg, sample_ids
 from baselines.full import Full
 from infinigen import adapter, modes
 
-MODELS = TINY + [pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+MODELS = TINY + ["tiny-gemma3", pytest.param("smollm2-135m", marks=pytest.mark.slow),
+                 pytest.param("gemma3-270m", marks=pytest.mark.slow)]
 DECODE_TOL = 2e-4  # fp32 logits of decode steps against HF's own (6x the difference measured on smollm2)
 
 
@@ -64,10 +65,16 @@ def test_install_is_undone_on_exit():
     assert not adapter._BOUND
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + ["tiny-gemma3"])
 def test_layer_view_reproduces_attention_inputs(name):
-    """queries()/keys() from the captured attention input match what the attention function receives."""
-    model, _ = load_model(name)
+    """queries()/keys() from the captured attention input match what the attention function receives (Gemma 3: its
+    q/k norms given weights of their own, which random init leaves at zero, i.e. a scale of 1)."""
+    model, _ = (adapter.load(model_cfg(name)) if name == "tiny-gemma3" else load_model(name))
+    gen = torch.Generator().manual_seed(0)
+    for layer in adapter.attention_layers(model):
+        for norm in (layer._q_norm, layer._k_norm):
+            if norm is not None:
+                norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen))
     ids = sample_ids(name, 20)
     seen = {}
 
@@ -102,7 +109,8 @@ def test_random_init_builds_real_shapes_without_weights():
 
 
 @pytest.mark.slow
-def test_gguf_conversion_is_exact(data_dir):
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_gguf_conversion_is_exact(name, data_dir):
     """adapter.load reads a GGUF model through its one-time float32 conversion: the same tensors, config,
     tokenizer and logits as transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,11 +118,11 @@ def test_gguf_conversion_is_exact(data_dir):
     from infinigen import models
     from infinigen.corpora import corpus_text
 
-    cfg = model_cfg("smollm2-135m")
+    cfg = model_cfg(name)
     src, extra = models.source(cfg)
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager", **extra)
     ref_tok = AutoTokenizer.from_pretrained(src, **extra)
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(name)
     ours, theirs = model.state_dict(), ref.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     # where it was read from, what saving records, and that the loader's weights came from a GGUF
@@ -124,7 +132,7 @@ def test_gguf_conversion_is_exact(data_dir):
     text = corpus_text("wikitext2", data_dir)[:50000]
     assert tok(text).input_ids == ref_tok(text).input_ids
     assert [tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template] == \
-        [ref_tok.bos_token, ref_tok.eos_token, ref_tok.eos_token, ref_tok.chat_template]
+        [ref_tok.bos_token, ref_tok.eos_token, ref_tok.pad_token or ref_tok.eos_token, ref_tok.chat_template]
     ids = tok(text[:2000], return_tensors="pt").input_ids[:, :128]
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, ref(ids).logits)

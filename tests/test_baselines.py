@@ -1,4 +1,4 @@
-"""Baselines on the shared adapter: H2O, KV quantisation, full offload, StreamingLLM.
+"""Baselines on the shared adapter: H2O, TOVA, KV quantisation, full offload, StreamingLLM.
 
 What each method keeps (against from-scratch references), its budgets, its memory/traffic accounting, and its
 edge cases against `full`. sim == decode for the default settings is tests/test_contract.py's job.
@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from baselines import evict_rows
 from baselines.full import Full
 from baselines.h2o import H2O
 from baselines.offload import Offload
 from baselines.quant import Quant, dequantize, pack, quantize, unpack
 from baselines.streaming import Streaming, token_count
+from baselines.tova import TOVA
 from conftest import load_model, model_cfg, random_ids, sample_ids
 from infinigen import adapter, modes
 from infinigen import contract as method_module
@@ -67,6 +69,8 @@ def test_token_count_convention():
         lambda: H2O(recent=True),
         lambda: H2O(heavy="10"),
         lambda: H2O(gqa_reduce="median"),
+        lambda: H2O(capture="cuda"),
+        lambda: TOVA(capture=True),
         lambda: Streaming(sinks=-1),
         lambda: Streaming(sinks=2.0),
         lambda: Streaming(recent=0),
@@ -188,6 +192,87 @@ def test_h2o_gqa_reduce_sim_equals_decode(reduce):
     torch.testing.assert_close(dec, sim[:, PROMPT - 1 : -1], atol=2e-4, rtol=0)
     assert sim_m.stats.mean("kv_fraction") == pytest.approx(dec_m.stats.mean("kv_fraction"), abs=1e-6)
     assert sim_m.stats.mean("kv_fraction") < 0.5
+
+
+# ----------------------------------------------------------------------------------------------- TOVA
+
+
+def tova_reference(scores, budget, dense_rows):
+    """From-scratch TOVA, one KV head at a time with Python sets: scores (h_kv, g, t, t) -> keep (h_kv, t, t)."""
+    hk, g, t, _ = scores.shape
+    keep = torch.zeros(hk, t, t, dtype=torch.bool)
+    for h in range(hk):
+        def evict(kept, row):  # the n least attended by the row (over what it attended) go at once
+            n = len(kept) - token_count(budget, row + 1)
+            idx = sorted(kept)
+            probs = softmax64(scores[h, :, row, idx]).sum(0).tolist()
+            least = sorted(range(len(idx)), key=lambda i: (probs[i], i))[: max(n, 0)]  # ties: the earliest
+            return kept - {idx[i] for i in least}
+
+        kept = evict(set(range(dense_rows)), dense_rows - 1) if dense_rows else set()
+        for row in range(dense_rows, t):
+            kept = kept | {row}
+            keep[h, row, sorted(kept)] = True
+            kept = evict(kept, row)
+    return keep
+
+
+@pytest.mark.parametrize("budget,dense_rows", [(0.3, 0), (6, 10), (0.5, 12), (3, 0)])
+def test_tova_sim_keeps_what_the_reference_keeps(budget, dense_rows, monkeypatch):
+    monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses blocks of rows
+    hk, g, t, d = 2, 3, 40, 16
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, hk * g, t, d, generator=gen)
+    k = torch.randn(1, hk, t, d, generator=gen)
+    scale = d**-0.5
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    method = TOVA(budget=budget)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=scale), q, k, allowed)
+    ref = tova_reference(logits(q, k, scale)[0].double(), budget, dense_rows)
+    assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
+    assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
+
+
+# ----------------------------------------------------------------------------------------------- captured replay
+
+REPLAYED = [lambda: H2O(), lambda: H2O(gqa_reduce="max"), lambda: H2O(gqa_reduce="mean", heavy=5, recent=3),
+            lambda: TOVA(), lambda: TOVA(budget=9)]
+
+
+@pytest.mark.parametrize("make", REPLAYED, ids=["h2o", "h2o-max", "h2o-mean-int", "tova", "tova-int"])
+@pytest.mark.parametrize("dense_rows", [0, 20])
+def test_static_step_replays_what_the_eager_replay_does(make, dense_rows, monkeypatch):
+    """The captured path's row step (evict_rows.static_step: device-side row counter and schedule, fixed shapes),
+    run eagerly block after block here (on CUDA the block is one captured graph), evicts what the eager replay
+    evicts, at the same rows."""
+    monkeypatch.setattr(method_module, "SIM_CHUNK", 16)  # several blocks, the last one padded
+    b, hk, g, t, d = 2, 2, 3, 70, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(b, hk * g, t, d, generator=gen), torch.randn(b, hk, t, d, generator=gen)
+    session, layer = SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=d**-0.5)
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    eager = make().sim_state(session, layer, q, k, k, allowed)
+
+    def stepped(replay, schedule, capture="none"):
+        evict_rows.CapturedReplay(replay, "graph", graph=False).run(schedule)
+        return True
+
+    monkeypatch.setattr(evict_rows.Replay, "run", stepped)
+    assert torch.equal(make().sim_state(session, layer, q, k, k, allowed), eager)
+    assert (eager < t).sum() > 0
+
+
+@pytest.mark.parametrize("make", [H2O, TOVA])
+@pytest.mark.parametrize("capture", ["graph", "compile"])
+def test_capture_falls_back_to_the_eager_replay_off_cuda(make, capture):
+    """capture=graph|compile is a CUDA option: on CPU the same forward runs eagerly, with the same result."""
+    model, _ = load_model("tiny-llama-gqa")
+    ids = random_ids(PROMPT + DECODED, model.config.vocab_size)
+    plain, captured = make(), make(capture=capture)
+    want = modes.sim_logits(model, plain, ids, dense_rows=PROMPT)
+    assert torch.equal(modes.sim_logits(model, captured, ids, dense_rows=PROMPT), want)
+    assert captured.capture_used is False
+    assert captured.stats.mean("kv_fraction") == plain.stats.mean("kv_fraction") < 1
 
 
 # ----------------------------------------------------------------------------------------------- StreamingLLM

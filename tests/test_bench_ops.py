@@ -176,6 +176,69 @@ def test_rows_land_in_the_store_and_the_report_reads_them(tmp_path):
     assert len(ops.sim_table(ops.sim_rows(rows))) == 1
 
 
+# ----------------------------------------------------------------------------------------------- sim forwards
+
+SIM_SIZES = (1024, 2048)  # the issue's lengths: one sim forward each on tiny-llama-gqa (3 layers)
+GROWTH = 1.1  # a closed-form method's ops at 2048 tokens <= 1.1 x its ops at 1024
+PER_ROW = 12  # H2O / TOVA: ops per decoded row of the forward (all 3 layers) between 1024 and 2048 tokens
+
+
+@lru_cache(maxsize=None)
+def sim(name: str, tokens: int) -> dict:
+    m = method(name)
+    return B.sim_point(model("tiny-llama-gqa"), m, tokens, dense_rows=tokens // 2 if m.needs_prompt else 0)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_sim_forward_syncs_the_host_only_in_transformers(name):
+    """No method's sim forward reads a device value back: the one sync left is transformers' packed-sequence
+    check of the position ids (bench_ops.SIM_MASK_SYNC), which full attention's forward makes too."""
+    for n in SIM_SIZES:
+        s = sim(name, n)
+        ours = {site: k for site, k in s["sync_sites"].items() if not site.split(" @ ")[1].startswith(B.SIM_MASK_SITE)}
+        assert s["sync_ops"] == B.SIM_MASK_SYNC and not ours, f"{name} at {n} tokens: {s['sync_sites']}"
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m not in B.SEQUENTIAL])
+def test_closed_form_sim_ops_do_not_grow_with_the_sequence(name):
+    ops = {n: sim(name, n)["ops"] for n in SIM_SIZES}
+    assert ops[2048] <= GROWTH * ops[1024], f"{name}: {ops[2048]} ops at 2048 tokens > {GROWTH} x {ops[1024]} at 1024"
+
+
+@pytest.mark.parametrize("name", B.SEQUENTIAL)
+def test_sequential_eviction_ops_per_decoded_row(name):
+    """H2O and TOVA replay their rows in order (exact semantics), each row's step a few static-shape ops:
+    at most PER_ROW per decoded row over the model's 3 layers (the Python-loop version dispatched ~35-90)."""
+    per_row = (sim(name, 2048)["ops"] - sim(name, 1024)["ops"]) / 1024
+    assert per_row <= PER_ROW, f"{name}: {per_row:.2f} ops per decoded row (3 layers) > {PER_ROW}"
+
+
+def test_gpu_sim_check_dry_run_writes_its_rows(tmp_path):
+    """experiments/gpu_check.sh --sim's command (bench_sim with rows into JSONL) at toy sizes on CPU: every label
+    a row per length, H2O / TOVA with capture falling back to the eager replay (same kv_fraction), x full."""
+    import json
+
+    from experiments import bench_sim
+
+    out = tmp_path / "sim_seconds.jsonl"
+    bench_sim.main(["--device", "cpu", "--model", "tiny-llama-gqa", "--random-init", "--tokens", "48", "--scaling",
+                    "32", "--repeats", "1", "--prompt-for-compressors", "--capture-variants", "--methods", "full",
+                    "h2o", "snapkv", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    labels = ["model sdpa", "model eager", "full", "h2o", "h2o capture=graph", "snapkv", "h2o capture=compile"]
+    assert [(r["tokens"], r["label"]) for r in rows] == [(n, label) for n in (48, 32) for label in labels]
+    assert all(r["seconds"] > 0 and r["bench"] == "sim_seconds" and r["random_init"] for r in rows)
+    by = {(r["tokens"], r["label"]): r for r in rows}
+    for n in (48, 32):
+        assert by[(n, "full")]["x_full"] == 1.0 and by[(n, "snapkv")]["dense_rows"] == n // 2
+        assert not any(by[(n, f"h2o capture={c}")]["capture_used"] for c in ("graph", "compile"))  # no CUDA here
+        assert by[(n, "h2o capture=graph")]["kv_fraction"] == by[(n, "h2o")]["kv_fraction"] < 1
+    skipped = tmp_path / "skipped.jsonl"
+    bench_sim.main(["--device", "cpu", "--model", "tiny-llama-gqa", "--random-init", "--tokens", "32", "--scaling",
+                    "--repeats", "1", "--methods", "full", "--budget", "0", "--out", str(skipped)])
+    assert all("skipped" in json.loads(line) for line in skipped.read_text().splitlines())
+
+
 # ----------------------------------------------------------------------------------------------- THE GATE
 
 

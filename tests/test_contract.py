@@ -27,13 +27,25 @@ REAL_TOL = 1e-4  # smollm2: its packed fp32 linear layers bound the agreement (1
 FP32_METHODS = ["full", "offload", "streaming"]
 
 
-# Every method's defaults run on a GQA llama (RoPE, grouped heads) and on OPT (learned positions, post-projection
-# biases, one head per KV head); each variant's logic (eviction, capacity, bits, pages, ...) is model-independent
-# and is proven once, on the GQA llama (the one model where gqa_reduce acts). The residual-stream speculation
-# inputs read each family's own norms and residual layout, so they run on OPT as well.
-DEFAULT_MODELS = ["tiny-llama-gqa", "tiny-opt"]
+# Every method's defaults run on a GQA llama (RoPE, grouped heads), on OPT (learned positions, post-projection
+# biases, one head per KV head) and on Gemma 3 (one KV head, QK-norm, local layers whose window is shorter than the
+# sequence); each variant's logic (eviction, capacity, bits, pages, ...) is model-independent and is proven once, on
+# the GQA llama (the one model where gqa_reduce acts). The residual-stream speculation inputs read each family's own
+# norms and residual layout, so they run on OPT and Gemma 3 as well.
+DEFAULT_MODELS = ["tiny-llama-gqa", "tiny-opt", "tiny-gemma3"]
 VARIANT_MODEL = "tiny-llama-gqa"
 VARIANTS_ON_EVERY_MODEL = [{"speculate_from": "block_input"}, {"speculate_from": "after_attention"}]
+# Methods that attend outside the contract's shared decode steps and replay their own evictions in sim mode: a local
+# layer's window has to reach those replays and steps in the method itself (not done yet)
+OWN_WINDOW = {"h2o", "tova"}
+
+
+def model_param(method, model):
+    """A (method, model) case, expected to fail where the method does not yet honour a local layer's window."""
+    if model == "tiny-gemma3" and method in OWN_WINDOW:
+        return [pytest.mark.xfail(strict=True, reason=f"{method} attends outside a local layer's window in decode "
+                                                      "mode and ignores it in its sim-mode replay")]
+    return []
 
 
 def cases(models, with_variants=True):
@@ -41,7 +53,8 @@ def cases(models, with_variants=True):
         for overrides in variants(method) if with_variants else [{}]:
             on = models if not overrides or overrides in VARIANTS_ON_EVERY_MODEL else [VARIANT_MODEL]
             for model in on:
-                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
+                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}",
+                                   marks=model_param(method, model))
 
 
 def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=None, tol=TOL):
@@ -64,7 +77,7 @@ def test_sim_equals_decode_tiny(method_name, overrides, model_name):
     check_contract(method_name, overrides, model_name, prompt=48, decoded=24, dtype=TINY_DTYPE)
 
 
-@pytest.mark.parametrize("model_name", TINY)
+@pytest.mark.parametrize("model_name", TINY + ["tiny-gemma3"])
 @pytest.mark.parametrize("method_name", FP32_METHODS)
 def test_sim_equals_decode_tiny_fp32(method_name, model_name):
     check_contract(method_name, {}, model_name, prompt=48, decoded=24, tol=FP32_TOL)

@@ -8,13 +8,15 @@ import hashlib
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from analysis import figures, store, tables
+from analysis import draw, figures, store, tables
+from analysis.figures.fig17 import ablation_rows
 
 H2O = [0.25, 0.125, 0.0625, 0.03125]
 BITS = [8, 4, 2, 1]
@@ -208,6 +210,24 @@ def test_fig11_plots_measured_kv_fraction(synthetic):
     assert set(copa["curve"]) == {"full", "infinigen (skew=True)", "infinigen (skew=False)"}
     pairs = numbers[numbers["panel"].str.contains("20 docs") & (numbers["method"] == "infinigen")]
     assert set(pairs["curve"]) == {"infinigen"} and len(pairs) == 2 * len(PAIRS)
+    # every point's error bar: the 95% interval of its accuracy, 1.96 x lm-eval's stderr, in points
+    assert numbers["ci_pct"].to_numpy() == pytest.approx(100 * 1.96 * 0.03)
+    bars = [c for ax in fig.axes for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert bars, "no error bars drawn"
+
+
+def test_two_sweeps_of_one_task_setting_are_two_curves(synthetic, tmp_path):
+    """An alpha sweep around the recommended setting beside the paper's, on the same windows: two named curves."""
+    shutil.copytree(synthetic, tmp_path / "store")
+    for alpha in (1.0, 5.0, 9.0):
+        params = INFINIGEN | {"alpha": alpha, "partial_ratio": 0.5, "skip_layers": 2}
+        digest, rows = run("smollm2-135m", "infinigen", "ppl", params,
+                           {"dataset": "wikitext2", "seq_len": 1024, "max_windows": 1},
+                           [{"ppl": 18 + 1 / alpha, "kv_fraction": 0.03 * alpha, "stats": stats(0.03 * alpha)}])
+        store.append_rows(tmp_path / "store", digest, rows)
+    rows = ablation_rows(store.load(tmp_path / "store"), "ppl", "alpha")
+    assert set(rows["curve"]) == {"smollm2-135m / wikitext2 / seq 1024 (partial_ratio=0.2, skip_layers=1)",
+                                  "smollm2-135m / wikitext2 / seq 1024 (partial_ratio=0.5, skip_layers=2)"}
 
 
 def test_fig12_chunks_and_fig13_pairs(synthetic):
@@ -347,7 +367,7 @@ def test_latency_traffic_bars_sorted_and_readable_for_an_alpha_sweep(tmp_path):
 
 
 def test_the_overlap_check_sees_overlapping_labels():
-    fig, axes = figures.grid(1, size=(2.0, 2.0))
+    fig, axes = draw.grid(1, size=(2.0, 2.0))
     axes[0].set_xticks(range(6), [f"a long tick label {i}" for i in range(6)])
     assert tick_label_overlaps(fig)
 

@@ -265,6 +265,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
 
     import yaml
 
+    from experiments import calibrate
     from infinigen.offload import perf
 
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": DATA_DIR, "OMP_NUM_THREADS": "1"}
@@ -275,7 +276,11 @@ def test_gpu_check_cpu_smoke(tmp_path):
     for row, kind in (("ideal", "resident"), ("offload", "held"), ("quant-int4", "held"), ("h2o", "held"),
                       ("infinigen-b0.05", "gather")):
         assert sum(line.split()[:2] == [row, kind] for line in lines) == 1, out.stdout
-    perf.hardware(yaml.safe_load((tmp_path / "smoke_profile.yaml").read_text()))  # calibrate's dry run: valid
+    profile = yaml.safe_load((tmp_path / "smoke_profile.yaml").read_text())
+    perf.hardware(profile)  # calibrate's dry run: valid
+    # the gather as the runtime runs it (beside its busy launching thread), at its threads and on every core
+    busy = profile["host_gbps_threads_busy"]
+    assert profile["host_gbps"] in busy.values() and max(busy) == (calibrate.physical_cores() or os.cpu_count())
     modelled = [json.loads(line) for line in (tmp_path / "latency_modelled.jsonl").read_text().splitlines()]
     assert [r["row"] for r in modelled] == ["ideal", "quant-int4", "h2o", "infinigen-b0.05",
                                             "infinigen-b0.05-zero-copy", "offload"]

@@ -1,4 +1,6 @@
-"""The layers import downward only, at the top of a module or inside a function (where a cycle would hide).
+"""The layers import downward only, at the top of a module or inside a function (where a cycle would hide); no two
+modules import each other, directly or around a longer circle; the analysis layer reads rows and never imports the
+code that writes them (experiments/), and none of its files grows past ANALYSIS_MAX_LINES.
 
 A downward import inside a function is allowed only in the modules listed in LAZY: their `validate` runs before
 any model loads and must refuse bad input in seconds, so they import torch-heavy layers only where they run.
@@ -14,7 +16,9 @@ from conftest import ROOT
 
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS = [
-    ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora"]),  # model access, contract, data
+    # model access, contract, data, what a run computes
+    ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora",
+                   "infinigen.semantic"]),
     ("runtimes", ["infinigen.modes", "infinigen.offload"]),  # sim/decode driver, offloading runtime
     ("methods", ["infinigen.infinigen_method", "baselines"]),
     ("experiments", ["experiments", "analysis.store"]),  # tasks and the runner, which writes the results store
@@ -101,3 +105,84 @@ def test_the_checker_catches_violations(tmp_path, monkeypatch):
     monkeypatch.setattr("test_layering.module_name", lambda path: "infinigen.adapter")
     with pytest.raises(AssertionError):
         test_imports_go_downward("infinigen.adapter", bad)
+
+
+# ----------------------------------------------------------------------------------------------- circles
+
+
+def import_graph(modules) -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in it: a lazy import closes a circle as well)."""
+    return {m: {name for name, _, _ in imports(p) if name != m} for m, p in modules}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: its strongly connected components of more than one module (Tarjan's
+    algorithm, iterative: a long chain of imports must not hit the recursion limit)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next((c for c in children if c in graph), None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    assert circles(import_graph(project_modules())) == []
+
+
+def test_the_circle_finder_finds_pairs_and_longer_circles():
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c", "f"}, "f": set(), "g": {"a"}}
+    assert sorted(circles(graph)) == [["a", "b"], ["c", "d", "e"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# ----------------------------------------------------------------------------------------------- analysis
+
+ANALYSIS_MAX_LINES = 300  # one module per claim (analysis/report/sections/) keeps every file readable at once
+ANALYSIS = sorted((ROOT / "analysis").rglob("*.py"))
+
+
+def test_no_analysis_file_is_over_the_line_limit():
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ANALYSIS}
+    long = {path: n for path, n in lines.items() if n > ANALYSIS_MAX_LINES}
+    assert long == {}, f"split these by claim or concern (<= {ANALYSIS_MAX_LINES} lines each)"
+
+
+def test_analysis_imports_nothing_from_experiments():
+    """The rows' writers (experiments/) sit above what the analysis may import: what both need lives lower
+    (infinigen/semantic.py: what a run computes; analysis/store: the store's files)."""
+    found = [f"{p.relative_to(ROOT)}: {name}" for p in ANALYSIS for name, _, _ in imports(p)
+             if name == "experiments" or name.startswith("experiments.")]
+    text = [f"{p.relative_to(ROOT)}:{i}" for p in ANALYSIS for i, line in enumerate(p.read_text().splitlines(), 1)
+            if line.lstrip().startswith(("from experiments", "import experiments"))]
+    assert found == [] and text == []

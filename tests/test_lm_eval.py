@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from baselines.full import Full
 from conftest import METHODS, ROOT, load_model, method_from_conf
 from experiments import lm_eval as le
+from experiments.lm_eval_protocols import PROTOCOLS
 from infinigen import adapter
 from infinigen.contract import KVMethod
 from infinigen.modes import sim_logits
@@ -100,7 +101,7 @@ def manual_ll(model, method, ctx, cont, max_length, protocol, dense_rows=0) -> f
 # ----------------------------------------------------------------------------------------------- scores
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_full_matches_lm_eval_hflm(tiny, protocol):
     from lm_eval.models.huggingface import HFLM
 
@@ -118,7 +119,7 @@ def test_full_matches_lm_eval_hflm(tiny, protocol):
     assert ours.counts["requests"] == len(reqs)
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_float64_scores_equal_lm_eval_whole_logits(protocol, monkeypatch):
     """Scores from the continuation rows' hidden states, in blocks = lm-eval's HFLM from the whole (batch, t,
     vocab) log-softmax of the model's own SDPA forward, in float64 to rounding; is_greedy identical."""
@@ -139,7 +140,7 @@ def test_float64_scores_equal_lm_eval_whole_logits(protocol, monkeypatch):
     assert [g[1] for g in got] == [r[1] for r in ref]
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_sparse_method_changes_scores(tiny, protocol):
     full = lls(make_lm(tiny, Full(), protocol), token_requests(MAX_LENGTH))
     sparse_lm = make_lm(tiny, RecentOnly(window=4), protocol)
@@ -181,7 +182,7 @@ BATCH_METHODS = {
 }
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", sorted(BATCH_METHODS))
 def test_batch_size_does_not_change_scores(tiny, protocol, name):
     if protocol == "paper" and BATCH_METHODS[name]().needs_prompt:
@@ -193,7 +194,7 @@ def test_batch_size_does_not_change_scores(tiny, protocol, name):
     assert four.counts["forwards"] < one.counts["forwards"]  # equal-length requests did share forwards
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_batch_size_does_not_change_stats(tiny, protocol):
     reqs = token_requests(MAX_LENGTH)
     kv = []
@@ -267,7 +268,7 @@ def test_validate_names_missing_data_file(tmp_path):
         le.validate(task_cfg(tasks=["rte"]), str(tmp_path))
 
 
-@pytest.mark.parametrize("protocol", le.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_run_rows(tiny, protocol, data_dir):
     model, _ = tiny
     cfg = task_cfg(tasks=["copa"], num_fewshot=1, limit=3, protocol=protocol)
@@ -300,7 +301,7 @@ def test_smollm2_copa_matches_lm_eval_hflm(data_dir):
     task.build_all_requests(limit=2)
     reqs = task.instances
     ref = [ll for ll, _ in HFLM(pretrained=model, tokenizer=tok, batch_size=2).loglikelihood(reqs)]
-    for protocol in le.PROTOCOLS:
+    for protocol in PROTOCOLS:
         lm = make_lm((model, tok), Full(), protocol, batch_size=2, max_length=None)  # None: the model's 8192
         got = [ll for ll, _ in lm.loglikelihood(reqs)]
         # fp32 sums over a continuation: our LM head runs on the scored rows only, HFLM's on every row

@@ -60,7 +60,8 @@ def test_fused_equals_exact(method_name, overrides, dense_rows, small_chunks):
 
 @pytest.mark.parametrize("method_name", METHODS)
 def test_chunked_sim_equals_one_chunk(method_name, monkeypatch):
-    """The chunk size is not a hyperparameter: many chunks == one chunk (exact kernel, float64)."""
+    """The chunk size is not a hyperparameter: many chunks == one chunk (exact kernel, float64; its softmax is
+    float32 as transformers' eager attention's, so rows agree to that rounding: 1.8e-7 at 12-row chunks)."""
     model, _ = load_model("tiny-llama-gqa", "float64")
     ids = random_ids(90, model.config.vocab_size)
     runs = []
@@ -68,11 +69,12 @@ def test_chunked_sim_equals_one_chunk(method_name, monkeypatch):
         monkeypatch.setattr(method_module, "SIM_CHUNK", chunk)
         method = method_from_conf(method_name)
         runs.append(modes.sim_logits(model, method, ids, dense_rows=30, attention="exact").double())
-    torch.testing.assert_close(runs[0], runs[1], atol=1e-9, rtol=0)
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=0)
 
 
 class LargestFloat(TorchDispatchMode):
-    """Records the largest floating-point tensor any op produces (attention scores/probs are the O(t^2) risk)."""
+    """Records the largest floating-point tensor any op produces (attention scores/probs are the O(t^2) risk).
+    Views allocate nothing (an as_strided view of overlapping windows may span many times its buffer): skipped."""
 
     def __init__(self):
         super().__init__()
@@ -80,6 +82,8 @@ class LargestFloat(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 self.numel = max(self.numel, t.numel())

@@ -13,7 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis import figures, report, speed, store
+from analysis import columns, figures, report, speed, store
+from analysis.report import compose, matching, render
+from analysis.report import recommended
+from analysis.report.sections import c1_accuracy, c2_baselines, c6_ablation, sim_cost, successors
 from conftest import ROOT
 from experiments.lm_eval_tasks.ruler import ruler_names
 
@@ -49,8 +52,8 @@ def test_committed_figures_are_what_make_report_writes(regenerated):
 
 def test_readme_headline_numbers_are_the_stores(regenerated):
     """The README's numbers live in one generated paragraph; a hand edit of it, or a store that moved on, fails."""
-    made = {m.group(2): m.group(3) for m in report.BLOCK.finditer((regenerated.parent / "README.md").read_text())}
-    blocks = {m.group(2): m.group(3) for m in report.BLOCK.finditer((ROOT / "README.md").read_text())}
+    made = {m.group(2): m.group(3) for m in render.BLOCK.finditer((regenerated.parent / "README.md").read_text())}
+    blocks = {m.group(2): m.group(3) for m in render.BLOCK.finditer((ROOT / "README.md").read_text())}
     assert "headline" in blocks, "README.md lost its <!-- report:headline --> block"
     assert made["headline"] == blocks["headline"], "README headline differs from docs/store: run `make report`"
     assert set(blocks) == {"headline", "memory", "speed"}
@@ -65,7 +68,7 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
 def test_readme_is_a_guide():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 350
-    outside = report.BLOCK.sub("", text)
+    outside = render.BLOCK.sub("", text)
     pasted = [line for line in outside.splitlines()
               if line.startswith("|") and re.search(r"\|\s*-?\d+\.\d+\s*\|", line)]
     assert not pasted, f"result rows pasted into the README (they belong in docs/results.md): {pasted[:3]}"
@@ -96,7 +99,7 @@ def test_a_row_whose_config_changed_is_reported_stale_and_left_out(tmp_path, reg
 
 def test_sweep_expansion_matches_hydra():
     """A preset's sweeper params and the command line expand as run.py -m does (the command line wins)."""
-    jobs = report.compose_jobs("python run.py -m +experiment=fig13_speculation_smoke +point=speculate_block_input")
+    jobs = compose.compose_jobs("python run.py -m +experiment=fig13_speculation_smoke +point=speculate_block_input")
     assert sorted(j["method"]["budget"] for j in jobs) == [0.1, 0.2]
     assert {j["method"]["speculate_from"] for j in jobs} == {"block_input"}
     assert {j["task"]["seq_len"] for j in jobs} == {1024}
@@ -165,8 +168,9 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
                           "score": 0.0 if name == "ruler_cwe" else round(min(1.0, 0.3 + kv), 2)}
                 for name in ruler_names(task["tasks"]) for n in task["max_seq_lengths"]]
     if task["name"] == "lm_eval":
-        return [common | {"task": name, "acc": round(0.4 + 0.4 * kv, 2), "n": task["limit"], "limit": task["limit"],
-                          "num_fewshot": task["num_fewshot"], "protocol": task["protocol"]} for name in task["tasks"]]
+        return [common | {"task": name, "acc": round(0.4 + 0.4 * kv, 2), "acc_stderr": 0.02, "n": task["limit"],
+                          "limit": task["limit"], "num_fewshot": task["num_fewshot"], "protocol": task["protocol"]}
+                for name in task["tasks"]]
     if task["name"] == "needle":
         cells = [{"length": n, "depth": d, "accuracy": float(kv > 0.5 or d == 1.0), "loglik": -1.0, "n": task["seeds"]}
                  for n in task["lengths"] for d in task["depths"]]
@@ -182,8 +186,8 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
 def synthetic_store(path: Path, keep=lambda i: True) -> None:
     """One run per configuration the report's commands compose today, of those whose index `keep` accepts."""
     names = method_names()
-    commands = {c for section in report.SECTIONS for c in section.commands}
-    for i, text in enumerate(sorted({t for c in commands for t in report.composed(c)})):
+    commands = {c for section in report.discover() for c in section.commands}
+    for i, text in enumerate(sorted({t for c in commands for t in compose.composed(c)})):
         config = json.loads(text) | {"data_dir": "/data", "results_dir": "results", "force": False,
                                      "logger": {"backends": []}}
         method = names[config["method"]["_target_"]]
@@ -192,7 +196,7 @@ def synthetic_store(path: Path, keep=lambda i: True) -> None:
         rows = [{"config_hash": digest, "model": config["model"]["name"], "method": method,
                  "task": config["task"]["name"], "data": {},
                  "method_params": {"name": method, **params,
-                                   "size_params": sorted(figures.LEGACY_SIZE_PARAMS.get(method, set()))},
+                                   "size_params": sorted(columns.LEGACY_SIZE_PARAMS.get(method, set()))},
                  "task_params": config["task"], "metrics": metrics, "config": config,
                  "meta": {"git_commit": "0" * 40, "device": "cpu", "threads": 2, "wall_s": 10.0 + i % 7,
                           "load_s": 5.0, "versions": {"torch": "2.13.0"}}}
@@ -209,22 +213,25 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
     # (tests/test_figures.py)
     own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim"}
-    missing = [s.title for s in report.SECTIONS if s.slug not in own_rows
+    missing = [s.title for s in report.discover() if s.slug not in own_rows
                and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
     assert "None: every stored run matches" in text
-    for section in report.SECTIONS:
+    for section in report.discover():
         if section.figure is not None and section.slug not in own_rows:
             assert (out / "report" / f"{section.slug}.png").exists(), section.slug
 
 
 def test_a_partial_store_still_renders_with_missing_configs_named(tmp_path):
-    """Every other config: every section renders (figures with lone points, a verdict or the rows it needs) and
-    names the commands of what is missing."""
-    synthetic_store(tmp_path / "store", keep=lambda i: i % 2 == 1)
+    """Every other config, and never a section's first: every section renders (figures with lone points, a verdict
+    or the rows it needs) and names the commands of what is missing."""
+    texts = sorted({t for s in report.discover() for c in s.commands for t in compose.composed(c)})
+    first = {texts.index(min(t for c in s.commands for t in compose.composed(c))) for s in report.discover()
+             if s.commands}
+    synthetic_store(tmp_path / "store", keep=lambda i: i % 2 == 1 and i not in first)
     text = (regenerate(tmp_path / "gen", tmp_path / "store") / "results.md").read_text()
     # the op census sections are filled by a script (make bench-ops), never by a run config: no Missing line
-    assert text.count("Missing (run, then `make export report`)") >= len(report.SECTIONS) - 4
+    assert text.count("Missing (run, then `make export report`)") >= len(report.discover()) - 4
 
 
 def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
@@ -261,10 +268,10 @@ def test_sim_cost_ratios_only_against_full_at_the_same_thread_count(tmp_path):
     ppl_run(tmp_path, "a" * 16, "full", {}, 14.0, threads=2, wall_s=105.0)  # 100 s per window
     ppl_run(tmp_path, "b" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, 30.0, 0.2, threads=2, wall_s=55.0)
     ppl_run(tmp_path, "c" * 16, "quant", {"bits": 2}, 40.0, threads=1, wall_s=45.0)  # 1 thread: no full to match
-    cost = report.sim_cost(report.load(tmp_path)).set_index("method")
+    cost = sim_cost.sim_cost(matching.load(tmp_path)).set_index("method")
     assert cost.loc["h2o", "x full"] == pytest.approx(0.5)
     assert pd.isna(cost.loc["quant", "x full"])
-    verdict = report.cost_verdict(report.load(tmp_path))
+    verdict = sim_cost.cost_verdict(matching.load(tmp_path))
     assert "h2o 0.5x" in verdict[0] and "quant" not in verdict[0]
     assert "1 setting(s) (quant) have no full run at their thread count" in verdict[1]
 
@@ -273,11 +280,11 @@ def test_an_alpha_sweep_still_falling_at_its_end_is_no_plateau(tmp_path):
     for i, (alpha, ppl) in enumerate([(1.0, 1177.0), (3.0, 139.3), (5.0, 41.89), (7.0, 26.41), (9.0, 24.26)]):
         ppl_run(tmp_path, f"{i:016x}", "infinigen", {"alpha": alpha, "partial_ratio": 0.2, "budget": 0.2}, ppl,
                 kv=0.05 + 0.02 * alpha)
-    verdict = report.plateau(report.load(tmp_path), "alpha")
+    verdict = c6_ablation.plateau(matching.load(tmp_path), "alpha")
     assert len(verdict) == 1 and "no plateau within 2% yet" in verdict[0], verdict
     assert "from 26.41 at alpha = 7 to 24.26 at alpha = 9" in verdict[0], verdict
     ppl_run(tmp_path, f"{5:016x}", "infinigen", {"alpha": 11.0, "partial_ratio": 0.2, "budget": 0.2}, 24.0, kv=0.27)
-    verdict = report.plateau(report.load(tmp_path), "alpha")
+    verdict = c6_ablation.plateau(matching.load(tmp_path), "alpha")
     assert "within 2% of the sweep's best (24) from alpha = 9 on" in verdict[0], verdict
 
 
@@ -285,8 +292,9 @@ def test_successors_verdict_reads_the_oracle_as_the_bound_and_prints_no_missing_
     """The successors section's verdict (committed rows): every compared method at each budget level; the oracle is
     the exact top-k, so when it leads the line also names the best of the others; Quest records no recall, and the
     line says nothing of it rather than 'recall n/a'."""
-    rows = report.match(report.load(DOCS / "store"), report.SUCCESSORS).rows
-    levels = [line for line in report.successors_verdict(rows) if "perplexity gap" in line]
+    rows = matching.match(matching.load(DOCS / "store"), successors.SUCCESSORS).rows
+    levels = [line for line in successors.successors_verdict(rows) if line.split(" budgets (kv_fraction", 1)[0]
+              in ("lower", "higher")]
     assert len(levels) == 2
     for line in levels:
         assert all(f"{m} " in line for m in ("rocketkv", "shadowkv", "infinigen", "oracle", "quest")), line
@@ -318,3 +326,150 @@ def test_make_smoke_draws_the_modelled_speed_figure_beside_the_measured_ones(tmp
     assert "without data" not in capsys.readouterr().out
     figures.main(["--results", str(tmp_path / "nothing"), "--out", str(tmp_path / "empty")], registry=speed.FIGURES)
     assert "fig14_16_modelled: latency rows with task.timing=modelled" in capsys.readouterr().out
+
+
+
+# ----------------------------------------------------------------------------------------------- recommended setting
+
+# the claims whose verdicts report InfiniGen at a setting (c7_modelled models OPT-13B at the paper's values, the
+# recommended ones for OPT; c7_validation checks the performance model, whatever the setting)
+CLAIMS = ("c1_accuracy", "c2_baselines", "c3_position", "c4_skewing", "c5_eviction", "c6_ablation", "c7_speed")
+LEAD = ("at the recommended setting for smollm2-135m (skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from "
+        "block_input")
+
+
+def first_lines(text: str) -> dict[str, str]:
+    """Each section's first verdict line, from the summary table of a results.md."""
+    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    titles = {s.title: s.slug for s in report.discover()}
+    return {titles[m.group(1)]: m.group(2) for m in re.finditer(r"^\| \[(.+?)\]\(#[^)]*\) \| (.*) \|$", summary, re.M)}
+
+
+def at_a_setting_other_than_recommended(line: str) -> list[str]:
+    """The InfiniGen hyperparameters a verdict line names at other values than the recommended setting's."""
+    def same(key: str, value: str) -> bool:
+        wanted = recommended.LLAMA[key]
+        return value == wanted if isinstance(wanted, str) else float(value) == wanted
+
+    text = re.sub(r"`[^`]*`", "", line)  # a command that adds rows is not a setting the line reports
+    found = re.findall(r"\b(skip_layers|alpha|partial_ratio|speculate_from)[ =](\w+(?:\.\d+)?)", text)
+    return [f"{k}={v}" for k, v in found if not same(k, v)]
+
+
+def test_every_claim_leads_with_the_recommended_setting(regenerated, tmp_path):
+    """The committed store (where several claims have no rows at the recommended setting yet: their first line says
+    so and names the command) and a store holding every config (where each claim has them): every claim's first
+    verdict line is at the recommended setting, and none names another setting."""
+    synthetic_store(tmp_path / "store")
+    full = first_lines((regenerate(tmp_path / "gen", tmp_path / "store", figures=False) / "results.md").read_text())
+    committed = first_lines((regenerated / "results.md").read_text())
+    for store_name, lines in (("committed", committed), ("synthetic", full)):
+        for slug in CLAIMS:
+            line = lines[slug]
+            assert line.startswith(LEAD) or line.startswith("not computed"), f"{store_name} {slug}: {line}"
+            assert at_a_setting_other_than_recommended(line) == [], f"{store_name} {slug}: {line}"
+    measured = [slug for slug in CLAIMS if "not in the store yet" not in full[slug]]
+    assert measured == list(CLAIMS), "with every config stored, each claim leads with a measurement"
+    assert "not in the store yet" not in committed["c1_accuracy"] + committed["c2_baselines"]
+
+
+def test_the_checker_catches_a_first_line_at_the_papers_setting():
+    line = "infinigen (skip_layers=1, partial_ratio=0.2) at measured kv_fraction >= 10%: at most 457% above full's"
+    assert at_a_setting_other_than_recommended(line) == ["skip_layers=1", "partial_ratio=0.2"]
+    assert at_a_setting_other_than_recommended(LEAD + "; docs/methods.md): 12.4% above") == []
+
+
+def test_the_docs_recommend_the_setting_the_report_leads_with():
+    flat = lambda path: " ".join((ROOT / path).read_text().split())  # noqa: E731
+    llama = recommended.LLAMA
+    assert (f"`speculate_from=block_input` with `skip_layers={llama['skip_layers']}, alpha={llama['alpha']:g}, "
+            f"partial_ratio={llama['partial_ratio']:g}`") in flat("docs/methods.md")
+    assert (f"skip_layers={llama['skip_layers']} alpha={llama['alpha']:g} partial_ratio={llama['partial_ratio']:g} "
+            "speculate_from=block_input") in flat("README.md")
+    import yaml
+    defaults = yaml.safe_load((ROOT / "conf" / "method" / "infinigen.yaml").read_text())
+    assert {k: defaults[k] for k in recommended.KEYS} == recommended.PAPER
+
+
+def test_c1_leads_with_the_recommended_rows_whatever_order_the_rows_come_in(tmp_path):
+    """The paper's rows sort first in the store and are worse: the first line is still the recommended setting's,
+    and the paper's defaults get a finding line with the recall that explains them; without recommended rows the
+    first line says so."""
+    ppl_run(tmp_path, "0" * 16, "full", {}, 14.0)
+    paper = {"alpha": 4.0, "partial_ratio": 0.2, "skip_layers": 1, "speculate_from": "previous"}
+    for i, budget in enumerate((0.1, 0.2)):
+        ppl_run(tmp_path, f"{i + 1:016x}", "infinigen", paper | {"budget": budget}, 70.0 - 10 * i, kv=0.11 + 0.02 * i)
+    lines = c1_accuracy.ppl_lines(matching.load(tmp_path))
+    assert lines[0].startswith(LEAD) and "not in the store yet" in lines[0]
+    ppl_run(tmp_path, "f" * 16, "infinigen", recommended.LLAMA | {"budget": 0.1}, 15.8, kv=0.17)
+    lines = c1_accuracy.ppl_lines(matching.load(tmp_path))
+    assert lines[0].startswith(LEAD) and "at most 12.9% above full's 14" in lines[0], lines[0]
+    assert lines[-1].startswith("finding: the paper's OPT defaults (skip_layers 1, alpha 4, partial_ratio 0.2"), lines
+
+
+def lm_eval_run(path: Path, digest: str, method: str, params: dict, accs: dict, n: int, kv: float) -> None:
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "lm_eval",
+        "method_params": {"name": method, **params}, "task_params": {"name": "lm_eval", "limit": 500},
+        "metrics": {"task": task, "acc": acc, "acc_stderr": (acc * (1 - acc) / (n - 1)) ** 0.5, "n": n,
+                    "limit": 500, "num_fewshot": 5, "protocol": "paper", "kv_fraction": kv},
+        "config": {}, "meta": {"git_commit": "a" * 40 if method == "full" else "b" * 40 + "-dirty"}}
+        for task, acc in accs.items()])
+
+
+def test_accuracy_intervals_say_which_differences_are_outside_them(tmp_path):
+    """n per task, each accuracy's 95% interval, and the difference from full's against its interval: at n = 500 a
+    10-point drop is outside it, a 1-point one inside; the C1 line names the tasks outside; C2 compares H2O."""
+    full = {"copa": 0.70, "piqa": 0.65}
+    lm_eval_run(tmp_path, "0" * 16, "full", {}, full, 500, 1.0)
+    lm_eval_run(tmp_path, "1" * 16, "infinigen", recommended.LLAMA | {"budget": 0.07}, {"copa": 0.69, "piqa": 0.55},
+                500, 0.15)
+    lm_eval_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.0625, "recent": 0.0625}, {"copa": 0.60, "piqa": 0.54}, 500, 0.2)
+    rows = matching.load(tmp_path)
+    table = c1_accuracy.A.table(rows).set_index(["method", "task"])
+    assert table.loc[("infinigen", "piqa"), "n"] == 500
+    assert table.loc[("infinigen", "piqa"), "± 95%"] == pytest.approx(1.96 * (0.55 * 0.45 / 499) ** 0.5)
+    assert table.loc[("infinigen", "piqa"), "outside"] == "yes" and table.loc[("infinigen", "copa"), "outside"] == "no"
+    line = c1_accuracy.lm_eval_lines(rows)[0]
+    assert line.startswith("lm-eval at the recommended setting, budget 0.07 (the first 500 docs of each task)"), line
+    assert "n = 500 docs per task" in line and "outside the interval: piqa;" in line
+    assert "mean over the 2 tasks -5.5 ±" in line
+    versus = c2_baselines.lm_eval_lines(rows)
+    assert len(versus) == 1 and "h2o (heavy=0.0625, recent=0.0625)" in versus[0], versus
+    assert "accuracy InfiniGen minus h2o +5.0 ±" in versus[0] and "over 2 task(s)" in versus[0]
+
+
+def test_each_section_says_which_commits_produced_its_rows(tmp_path):
+    lm_eval_run(tmp_path, "0" * 16, "full", {}, {"copa": 0.7}, 100, 1.0)
+    lm_eval_run(tmp_path, "1" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, {"copa": 0.6}, 100, 0.2)
+    lm_eval_run(tmp_path, "2" * 16, "quant", {"bits": 4}, {"copa": 0.6}, 100, 1.0)
+    assert matching.commits(matching.load(tmp_path)) == (
+        "bbbbbbb-dirty (2 runs), aaaaaaa (1 run); -dirty: uncommitted changes on top of the commit")
+    assert "rows by commit: bbbbbbb-dirty (2 runs), aaaaaaa (1 run)" in matching.provenance(matching.load(tmp_path))
+
+
+def test_the_semantic_configs_ruler_names_are_the_generators():
+    from experiments.lm_eval_tasks import ruler
+    from infinigen import semantic
+
+    assert set(semantic.RULER_TASK_NAMES) == set(ruler.RULER_TASKS)
+    assert set(semantic.RULER_QA_TASKS) == set(ruler.QA)
+
+
+def test_a_section_is_one_module_found_by_its_order(tmp_path, monkeypatch):
+    """Sections are discovered from the package, placed by `order`; two sharing an order (or a slug) are refused."""
+    package = tmp_path / "more_sections"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = ("from analysis.report.section import Section\n"
+            "SECTION = Section({slug!r}, 'T', 'claim', (), lambda r: r, lambda r: [], order={order})\n")
+    (package / "late.py").write_text(body.format(slug="late", order=20))
+    (package / "early.py").write_text(body.format(slug="early", order=10))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    monkeypatch.setattr(report, "sections_package", importlib.import_module("more_sections"))
+    assert [s.slug for s in report.discover()] == ["early", "late"]
+    (package / "clash.py").write_text(body.format(slug="clash", order=10))
+    with pytest.raises(ValueError, match="share the order"):
+        report.discover()

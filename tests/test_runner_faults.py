@@ -76,6 +76,13 @@ BAD = [  # (overrides, message); {ckpt} / {gpt2} are checkpoint folders made by 
     (["method=h2o", "method.heavy=true"], "method.heavy must be a number, got True"),
     (["task=latency", "task.runtime=warp"], "task.runtime must be one of"),
     (["task=lm_eval", "task.limit=0"], "task.limit must be null \\(every doc\\) or an integer >= 1"),
+    (["task=latency", "task.timing=modelled", "task.schedule=flexgen"],
+     "task.schedule must be one of \\('overlapped', 'paper'\\), got 'flexgen'"),
+    (["task=latency", "task.timing=modelled", "task.schedule=paper", "task.fetch_fraction=1.5"],
+     "task.fetch_fraction must be null \\(measured rows: task.fractions_from\\), paper"),
+    (["task=latency", "task.timing=modelled", "task.schedule=paper", "+task.paper.weight_offload=1.0"],
+     "task.paper.weight_offload must be null \\(as the artifact ran the model\\) or a share in \\[0, 1\\)"),
+    (["task=latency", "task.schedule=paper"], "task.schedule=paper models the paper's runtime: it needs"),
 ]
 
 

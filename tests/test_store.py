@@ -1,4 +1,4 @@
-"""analysis/store.py under faults (issue 16): unreadable lines are named and skipped, rows without a hash are
+"""analysis/store/ under faults (issue 16): unreadable lines are named and skipped, rows without a hash are
 reported, a config hash is claimed by one process at a time (stale claims of killed processes are taken over),
 rows files respect the umask, and rows that could not be stored are kept and re-imported."""
 

@@ -1,6 +1,7 @@
 """ShadowKV and RocketKV beyond the contract tests every method runs: ShadowKV moves values only and rebuilds its
 keys from the low-rank factors; RocketKV's stage-2 approximation is exact where it compresses nothing."""
 
+import pandas as pd
 import pytest
 import torch
 
@@ -76,3 +77,35 @@ def test_rocketkv_stage_split_follows_the_reference():
     (of which the 256 generated), stage 2 compresses 1183 / 408 = 2.9x: chunks of 2, 44 of 64 channels."""
     plan = RocketKV(budget=0.2).plan(2048, 1792, 64)
     assert plan == {"top_k": 204, "prompt_budget": 1183 - 256, "chunk": 2, "channels": 44}
+
+
+# ----------------------------------------------------------------------------------------------- budgets in tokens
+
+
+@pytest.mark.parametrize("cls", [RocketKV, ShadowKV])
+def test_a_budget_is_a_fraction_or_a_token_count_never_both(cls):
+    for given, match in [({"budget": 0.2, "budget_tokens": 256}, r"exactly one of .* got both \(0.2 and 256\)"),
+                         ({"budget": None, "budget_tokens": None}, "got neither"),
+                         ({"budget": None, "budget_tokens": 0}, "budget_tokens must be a token count >= 1"),
+                         ({"budget": 1.5}, r"budget must be a fraction in \(0, 1\]")]:
+        with pytest.raises(ValueError, match=match):
+            cls(**given)
+
+
+def test_a_token_budget_selects_what_its_fraction_does():
+    """The papers' form (a token count) and the fraction of the same length give the same plan: RocketKV's B over
+    the sequence, ShadowKV's sparse budget over the prompt; a count past the length is the whole length. The
+    successors table's `budget tokens` column is that count (analysis/report/sections/successors.py)."""
+    from analysis.report.sections.successors import budgets
+
+    assert RocketKV(budget=None, budget_tokens=384).plan(2048, 1792, 64) == RocketKV(budget=0.1875).plan(2048, 1792, 64)
+    assert RocketKV(budget=None, budget_tokens=10**6).top_k(2048) == RocketKV(budget=1.0).top_k(2048)
+    assert ShadowKV(budget=None, budget_tokens=216).layout(1792) == ShadowKV(budget=0.12).layout(1792)
+    assert ShadowKV(budget=None, budget_tokens=23).layout(1792) == ShadowKV(budget=0.0125).layout(1792)
+    rows = pd.DataFrame({"method": ["rocketkv", "shadowkv", "shadowkv", "rocketkv"],
+                         "method_params.budget": [0.1875, 0.12, 0.0125, None],
+                         "method_params.budget_tokens": [None, None, None, 256],
+                         "task_params.seq_len": [2048] * 4, "task_params.dense_rows": [1792] * 4})
+    table = budgets(rows)
+    assert table["budget tokens"].tolist() == [384, 216, 23, 256]
+    assert table["budget"].iloc[3] == 256 / 2048

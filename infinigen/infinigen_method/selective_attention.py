@@ -3,6 +3,10 @@
 A subclass supplies the vectors each decoded row ranks its candidates with (`score_queries` · `score_keys`);
 this class applies the dynamic count + cap (`selection.select`), the pool with capacity and eviction, and
 the statistics (kv_fraction, selected tokens, recall), identically in sim and decode mode.
+
+On a local layer (a sliding window) the candidates are the pool's entries inside the row's window and the cap is
+`budget` of what the model's own attention attends there (`full_past`): a budget means the same share of the
+layer's attention on local and global layers.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
 from infinigen.contract import (
-    GatheringMethod, attend, attend_fused, grouped_matmul, keep_mask, row_chunks, score_dtype, selection_logits,
+    GatheringMethod, attend, attend_fused, full_past, grouped_matmul, in_window, keep_mask, row_chunks, score_dtype,
+    selection_logits,
 )
 from infinigen.infinigen_method.select_evict import (
     EVICTION, GQA_REDUCE, cap_of, pool_limit, rank, select, top_k, victim,
@@ -126,12 +131,13 @@ class SelectiveAttention(GatheringMethod):
         if pool is None:
             # a plain causal chunk's rows all see its first r0 columns; the widest cap is the last row's
             first = r0 if session.plain_causal else None
-            width = min(r1, cap_of(self.budget, r1 - 1, self.max_num_kv))
-            keep, n = select(scores, candidates, rows, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv,
-                             width=width, first=first)
+            width = min(r1, cap_of(self.budget, full_past(layer, r1 - 1), self.max_num_kv))
+            keep, n = select(scores, candidates, full_past(layer, rows), self.alpha, self.budget, self.gqa_reduce,
+                             self.max_num_kv, width=width, first=first)
             held = candidates
         else:
-            keep, n, held = self._sim_pool_rows(session, scores, candidates, rows, pool)
+            session.chunk = (r0, r1)  # the rows as host ints: the pool's row loop branches on them
+            keep, n, held = self._sim_pool_rows(session, layer, scores, candidates, rows, pool)
         decoded = rows >= session.dense_rows
         keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
         first = min(max(session.dense_rows - r0, 0), r1 - r0)  # rows ascend: the chunk's dense rows come first
@@ -157,6 +163,7 @@ class SelectiveAttention(GatheringMethod):
         positions = torch.arange(s, device=dev).expand(b, hk, s)
         state = {
             "limit": limit,
+            "size": min(session.dense_rows, s),  # entries each KV head's pool holds (the same for every head)
             "positions": positions,
             "in_pool": (positions < session.dense_rows).clone(),
             "counts": torch.zeros(b, hk, s, dtype=torch.long, device=dev),
@@ -165,29 +172,36 @@ class SelectiveAttention(GatheringMethod):
         self._evict_to(state)  # a prompt longer than the pool is trimmed right after the prefill
         return state
 
-    def _sim_pool_rows(self, session, scores, candidates, rows, pool):
-        """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions."""
+    def _sim_pool_rows(self, session, layer, scores, candidates, rows, pool):
+        """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions.
+        The rows' positions come from `session.chunk` (host ints): nothing is read back to branch on."""
         b, hk, g, r, s = scores.shape
         keep = torch.zeros(b, hk, r, s, dtype=torch.bool, device=scores.device)
         held = torch.zeros_like(keep)
         n = torch.zeros(b, r, dtype=torch.long, device=scores.device)
-        for i, row in enumerate(rows.tolist()):
+        for i, row in enumerate(range(*session.chunk)):
             if row < session.dense_rows:
                 continue
             cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
-            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], rows[i : i + 1], self.alpha, self.budget,
-                            self.gqa_reduce, self.max_num_kv, width=min(s, cap_of(self.budget, row, self.max_num_kv)))
+            width = min(s, cap_of(self.budget, full_past(layer, row), self.max_num_kv))
+            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], full_past(layer, rows[i : i + 1]),
+                            self.alpha, self.budget, self.gqa_reduce, self.max_num_kv, width=width,
+                            first=0)  # the pool's candidates are no prefix (evictions leave holes): mask every column
             keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
             pool["counts"][..., :s] += ki[:, :, 0]
             pool["last"][..., :s].masked_fill_(ki[:, :, 0], row)
             pool["in_pool"][..., row] = True
+            pool["size"] += 1
             self._evict_to(pool)
         return keep, n, held
 
     def _evict_to(self, pool: dict) -> None:
-        while int(pool["in_pool"].sum(-1).max()) > pool["limit"]:
+        """Evicts down to the pool's limit. Every head holds pool["size"] entries (each row adds one to every head,
+        each eviction removes one from every head): a host count, so nothing is read back."""
+        while pool["size"] > pool["limit"]:
             idx = victim(pool["positions"], pool["counts"], pool["last"], pool["in_pool"], self.eviction)  # (b, hk)
             pool["in_pool"].scatter_(-1, idx[..., None], False)
+            pool["size"] -= 1
 
     def _record_recall(self, layer, q, k, held, keep) -> None:
         """Share of the true attention mass (over what the pool holds) that the fetched entries carry."""
@@ -205,21 +219,30 @@ class SelectiveAttention(GatheringMethod):
             self._evict_store(store, store.stored - limit)
 
     def _rank_step(self, session, layer, q, store, past, position):
-        """One decode row's ranking of the first `past` held entries: agg (b, hk, 1, past), n (b, 1)."""
+        """One decode row's ranking of the first `past` held entries: agg (b, hk, 1, past), n (b, 1). On a local
+        layer whose window has moved past position 0 the candidates are the held entries inside it."""
         keys = store.entries["score_keys"][:, :, :past]  # (b, hk, past, c), in the score dtype
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # as in sim mode: scaled, then dotted
         scores = grouped_matmul(qs.to(keys.dtype), keys)  # (b, hk, g, 1, past)
-        return rank(scores, None, position, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
+        window = in_window(layer, store, position, past)  # (b, hk, past) or None
+        if window is None:
+            return rank(scores, None, position, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
+        row = torch.full((1,), full_past(layer, position), device=scores.device)
+        return rank(scores, window[:, :, None], row, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv,
+                    first=0)
+
+    def _width(self, session, layer, past, position) -> int:
+        return self.selection_width(session, past, full_past(layer, position))
 
     def select(self, session, layer, q, store, past, position):
         agg, n = self._rank_step(session, layer, q, store, past, position)
-        idx, valid = top_k(agg, n, self.selection_width(session, past, position))
+        idx, valid = top_k(agg, n, self._width(session, layer, past, position))
         return keep_mask(idx[:, :, 0], valid[:, :, 0], past)  # (b, hk, past)
 
     def select_indices(self, session, layer, q, store, past, position):
         """The top selection_width entries straight from top-k, best first (no mask over the whole past to sort)."""
         agg, n = self._rank_step(session, layer, q, store, past, position)
-        idx, valid = top_k(agg, n, self.selection_width(session, past, position))
+        idx, valid = top_k(agg, n, self._width(session, layer, past, position))
         return idx[:, :, 0], valid[:, :, 0]
 
     def before_step(self, session, layer, store):
@@ -245,6 +268,7 @@ class SelectiveAttention(GatheringMethod):
         for _ in range(how_many):
             idx = victim(store.positions, store.entries["count"], store.entries["last"], valid, self.eviction)
             valid.scatter_(-1, idx[..., None], False)
-        b, hk, s = valid.shape
-        remaining = valid.nonzero()[:, 2].view(b, hk, -1)  # (b, hk, s - how_many), kept in position order
-        store.keep(remaining)
+        # (b, hk, s - how_many): the kept entries in position order, by a stable sort of the mask (a static shape;
+        # nonzero would read the count back)
+        remaining = torch.argsort(valid.to(torch.uint8), dim=-1, descending=True, stable=True)
+        store.keep(remaining[..., : valid.shape[-1] - how_many])

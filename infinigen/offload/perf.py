@@ -51,8 +51,12 @@ HARDWARE_FIELDS = {
     # a job of the link's worker costs host time beyond its ops: the hand-off to the thread, its Python, the event
     # and stream calls around its copies
     "job_us": ("microseconds of host time per link job beyond its ops; null or absent: 0", True),
+    # the paper's runtime (infinigen/offload/paper.py) copies contiguous slices on the host (a pageable cache into
+    # pinned staging) and gathers on its launching thread with torch's intra-op threads
+    "host_copy_gbps": ("GB/s, a contiguous host copy, bytes read + written; null or absent: the host gather's",
+                       True),
 }
-OPTIONAL_FIELDS = ("head_tflops", "host_op_gbps", "pageable_gbps", "job_us")
+OPTIONAL_FIELDS = ("head_tflops", "host_op_gbps", "pageable_gbps", "job_us", "host_copy_gbps")
 # How a profile prices the ops the runtime dispatches: `ops` = launch_us each (a GPU: launches queue ahead of the
 # device); `stand_in` = the seconds the runtime's code takes per segment on this machine, timed on the stand-in at
 # the run's size (a CPU profile calibrated here: per-op costs differ by op and by tensor size, and the harness's
@@ -77,6 +81,8 @@ class Hardware:
     host_op_gbps: float | None = None
     pageable_gbps: float | None = None
     job_us: float | None = None
+    host_copy_gbps: float | None = None
+    host_gbps_threads: dict | None = None  # the host gather's rate by thread count (informational for overlapped)
 
     @property
     def host_is_device(self) -> bool:
@@ -116,6 +122,13 @@ def hardware(cfg) -> Hardware:
     if dispatch not in DISPATCH:
         raise ValueError(f"hardware.dispatch must be one of {DISPATCH}, got {dispatch!r}")
     values["dispatch"] = dispatch
+    threads = cfg.get("host_gbps_threads")
+    if threads is not None:
+        if not hasattr(threads, "items") or not all(isinstance(k, int) and not isinstance(v, bool)
+                                                    and isinstance(v, (int, float)) and v > 0
+                                                    for k, v in threads.items()):
+            raise ValueError(f"hardware.host_gbps_threads must map thread counts to positive GB/s, got {threads!r}")
+        values["host_gbps_threads"] = {int(k): float(v) for k, v in threads.items()}
     if (values["h2d_gbps"] is None) != (values["d2h_gbps"] is None):
         raise ValueError("hardware.h2d_gbps and hardware.d2h_gbps must both be numbers or both null")
     return Hardware(name=str(cfg.get("name")), **values)

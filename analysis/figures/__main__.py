@@ -1,0 +1,3 @@
+from analysis.figures import main
+
+main()

@@ -1,0 +1,3 @@
+from analysis.report import main
+
+main()

@@ -1,0 +1,105 @@
+"""The perplexity comparisons' shared pieces: their commands, ppl rows with the measured relative KV size, a
+method's gap to full attention matched at the same KV size, and the ppl-vs-KV figure."""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from analysis import columns as C
+from analysis import draw as D
+from analysis import tables as T
+
+# the perplexity setting of the comparisons: one 1024-token WikiText-2 window (what a shared 2-core CPU affords)
+PPL = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_windows=1"
+
+
+def ppl_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """ppl rows with ppl, kv (measured kv_fraction), rel_kv (x bytes per entry vs 16 bits) and a curve label."""
+    out = C.with_kv(C.of_task(rows, "ppl"))
+    if out.empty:
+        return out.assign(ppl=[], kv=[], rel_kv=[], curve=[])
+    out["ppl"] = C.metric(out, "ppl")
+    out["rel_kv"] = out["kv_pct"] / 100
+    out["kv"] = out["rel_kv"] / C.bytes_ratio(out)
+    out["curve"] = C.curve_labels(out, C.size_params)
+    return out
+
+
+def interpolate(points: pd.DataFrame, x: str, y: str, at: float) -> float | None:
+    """y at x = at, linear between the two neighbouring points; None outside the measured range."""
+    points = points.dropna(subset=[x, y]).sort_values(x)
+    xs, ys = points[x].to_list(), points[y].to_list()
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= at <= x1 and x1 > x0:
+            return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    return ys[xs.index(at)] if at in xs else None
+
+
+def full_ppl(rows: pd.DataFrame) -> float | None:
+    full = rows[rows["method"] == "full"]
+    return float(full["ppl"].iloc[0]) if not full.empty else None
+
+
+def matched_gaps(data: pd.DataFrame, method: str, reference: str, x: str = "rel_kv") -> list[tuple]:
+    """(x, method's ppl gap to full, reference's gap interpolated at that x, the method's row, the reference's
+    curve) for each row of `method` inside the measured range of a curve of `reference`."""
+    full = full_ppl(data)
+    out = []
+    for ref_curve, ref in data[data["method"] == reference].groupby("curve"):
+        for _, row in data[data["method"] == method].sort_values([x, "curve"]).iterrows():
+            at = interpolate(ref, x, "ppl", row[x])
+            if at is not None:
+                out.append((row[x], row["ppl"] - full, at - full, row, ref_curve))
+    return out
+
+
+def ppl_vs_kv(rows: pd.DataFrame, title: str) -> Figure:
+    """Perplexity vs measured relative KV size, one line per method setting, full attention dashed."""
+    data = ppl_rows(rows)
+    panels = sorted(data.assign(panel=data["model"] + " / " + C.column(data, "task_params.dataset").astype(str)
+                                + " / " + C.metric(data, "windows").map(lambda v: f"{v:.0f}") + " x "
+                                + C.metric(data, "seq_len").map(lambda v: f"{v:.0f}") + " tokens, dense_rows "
+                                + C.metric(data, "dense_rows").fillna(0).map(lambda v: f"{v:.0f}"))
+                    .groupby("panel"), key=lambda p: p[0])
+    fig, axes = D.grid(len(panels), cols=2, size=(6.0, 3.8))
+    for ax, (panel, part) in zip(axes, panels):
+        for value in part.loc[part["method"] == "full", "ppl"].unique():
+            ax.axhline(value, color="black", linestyle="--", linewidth=1, label="full")
+        D.draw_curves(ax, part[part["method"] != "full"], "kv_pct", "ppl")
+        ax.set_yscale("log")
+        ax.set(xlabel="relative KV cache size (%, measured)", ylabel="perplexity (log scale)")
+        ax.set_title(panel, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    D.titled(fig, title, data)
+    return fig
+
+
+def ppl_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = T.table(rows, "ppl")
+    return out.drop(columns=[c for c in out.columns if c.endswith("(MiB)") or c in ("data", "model")])
+
+
+def accuracy_table(rows: pd.DataFrame) -> pd.DataFrame:
+    out = T.table(rows, "accuracy")
+    return out.drop(columns=[c for c in ("model", "protocol") if c in out.columns])
+
+
+def ppl_and_accuracy(rows: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([ppl_table(rows), accuracy_table(rows)], ignore_index=True)
+
+
+COMPARED = (f"{PPL} method=full",
+            f"{PPL} method=infinigen method.budget=0.1,0.2",
+            "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_previous",
+            f"{PPL} +point=h2o_0.0625,h2o_0.1",
+            f"{PPL} method=quant method.bits=2,4")
+
+
+OTHERS = (f"{PPL} method=oracle method.budget=0.1,0.2",
+          f"{PPL} method=quest method.budget=0.1,0.2",
+          f"{PPL} method=kivi method.bits=2",
+          f"{PPL} task.dense_rows=512 method=snapkv method.budget=0.2",
+          f"{PPL} task.dense_rows=512 method=full",
+          f"{PPL} task.dense_rows=512 method=oracle method.budget=0.1,0.2")

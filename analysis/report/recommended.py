@@ -1,0 +1,117 @@
+"""The InfiniGen setting the docs recommend for a model, and how a verdict names the setting of its rows.
+
+docs/methods.md ("Speculation input") and the README recommend, for Llama-family GQA models (SmolLM2, Llama-2/3,
+Mistral, Qwen2.5), skip_layers 2, alpha 8, partial_ratio 0.5 and speculate_from block_input; OPT keeps the paper's
+values (conf/method/infinigen.yaml's defaults). A claim's verdict leads with its rows at the recommended setting, or
+says the store has none and which command adds them; other settings follow, named; the paper's OPT defaults on a
+Llama-family model get a line of their own, worded as a finding. tests/test_report.py holds the docs to these values
+and every claim's first line to the recommended setting.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis import columns as C
+from analysis.report.section import num
+
+KEYS = ("skip_layers", "alpha", "partial_ratio", "speculate_from")
+PAPER = {"skip_layers": 1, "alpha": 4.0, "partial_ratio": 0.2, "speculate_from": "previous"}  # the OPT defaults
+LLAMA = {"skip_layers": 2, "alpha": 8.0, "partial_ratio": 0.5, "speculate_from": "block_input"}
+RECOMMENDED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "opt": PAPER}  # by config.model.arch.model_type
+# rows recorded before an option existed ran with the behaviour its default keeps
+BEFORE = {"skip_layers": 1, "speculate_from": "previous"}
+
+
+def family(rows: pd.DataFrame) -> pd.Series:
+    """Each row's model family: the recorded config's model.arch.model_type (a row without one: by its name)."""
+    def one(config, model) -> str:
+        arch = config.get("model", {}).get("arch", {}) if isinstance(config, dict) else {}
+        return arch.get("model_type") or ("opt" if "opt" in str(model) else "llama")
+    return pd.Series([one(c, m) for c, m in zip(C.column(rows, "config"), C.column(rows, "model"))], index=rows.index,
+                     dtype=object)
+
+
+def setting(rows: pd.DataFrame) -> pd.DataFrame:
+    """The InfiniGen rows' KEYS (as numbers where they are numbers)."""
+    out = pd.DataFrame(index=rows.index)
+    for key in KEYS:
+        value = C.column(rows, f"method_params.{key}")
+        out[key] = value.where(value.notna(), BEFORE.get(key))
+    return out
+
+
+def matches(rows: pd.DataFrame, wanted: dict | pd.Series) -> pd.Series:
+    """Which InfiniGen rows run at `wanted` (a setting, or one per row)."""
+    if rows.empty:
+        return pd.Series(dtype=bool)
+    got = setting(rows)
+    wanted = pd.DataFrame([wanted] * len(rows), index=rows.index) if isinstance(wanted, dict) else wanted
+    same = pd.Series(rows["method"] == "infinigen", index=rows.index)
+    for key in KEYS:
+        if key == "speculate_from":
+            same &= got[key].astype(str) == wanted[key].astype(str)
+        else:
+            same &= pd.to_numeric(got[key], errors="coerce") == pd.to_numeric(wanted[key], errors="coerce")
+    return same
+
+
+def is_recommended(rows: pd.DataFrame) -> pd.Series:
+    wanted = pd.DataFrame([RECOMMENDED.get(f, LLAMA) for f in family(rows)], index=rows.index)
+    return matches(rows, wanted) if not rows.empty else pd.Series(dtype=bool)
+
+
+def is_paper(rows: pd.DataFrame) -> pd.Series:
+    """InfiniGen rows at the paper's OPT defaults on a model they are not recommended for."""
+    return matches(rows, PAPER) & ~is_recommended(rows) if not rows.empty else pd.Series(dtype=bool)
+
+
+def describe(values: dict | pd.Series, skip: tuple[str, ...] = ()) -> str:
+    return ", ".join(f"{k} {v if isinstance(v, str) else num(float(v))}" for k, v in ((k, values[k]) for k in KEYS)
+                     if k not in skip)
+
+
+def model_of(rows: pd.DataFrame) -> tuple[str, str]:
+    """(model, family) of a section's InfiniGen rows (of its rows without any): the one most of them ran on."""
+    gen = rows[rows["method"] == "infinigen"] if "method" in rows else rows
+    gen = gen if not gen.empty else rows
+    model = gen["model"].value_counts().index[0]
+    return model, family(gen[gen["model"] == model]).iloc[0]
+
+
+def lead(rows: pd.DataFrame) -> str:
+    """How a claim's first verdict line opens: the recommended setting for the rows' model, named."""
+    model, fam = model_of(rows)
+    return f"at the recommended setting for {model} ({describe(RECOMMENDED.get(fam, LLAMA))}; docs/methods.md)"
+
+
+def missing(rows: pd.DataFrame, *commands: str) -> str:
+    """A claim's first line when the store has none of its rows at the recommended setting."""
+    verb = "adds" if len(commands) == 1 else "add"
+    return f"{lead(rows)}: not in the store yet ({' and '.join(f'`{c}`' for c in commands)} {verb} them)"
+
+
+def paper_name(rows: pd.DataFrame) -> str:
+    return f"the paper's OPT defaults ({describe(PAPER)}) on {model_of(rows)[0]}"
+
+
+def name(row: pd.Series) -> str:
+    """A row's InfiniGen setting in words (the recommended one or the paper's, said so)."""
+    frame = row.to_frame().T
+    if bool(is_recommended(frame).iloc[0]):
+        return "the recommended setting"
+    if bool(matches(frame, PAPER).iloc[0]):
+        return "the paper's OPT defaults"
+    return describe(setting(frame).iloc[0])
+
+
+def names(rows: pd.DataFrame) -> str:
+    """The InfiniGen settings of `rows` in words: each one, or how many and what they vary in."""
+    named = sorted({name(row) for _, row in rows.iterrows()})
+    if len(named) <= 2:
+        return " and ".join(named)
+    values = setting(rows)
+    varying = [k for k in KEYS if values[k].astype(str).nunique() > 1]
+    ranges = ", ".join(f"{k} {num(pd.to_numeric(values[k]).min())}-{num(pd.to_numeric(values[k]).max())}"
+                       if k != "speculate_from" else f"{k} {'/'.join(sorted(set(values[k])))}" for k in varying)
+    return f"{len(named)} settings ({ranges}; {describe(values.iloc[0], skip=tuple(varying))})"

@@ -1,0 +1,110 @@
+"""C1: accuracy close to full attention above 10% of the KV cache (paper Fig. 11)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis import columns as C
+from analysis.report import accuracy as A
+from analysis.report import recommended as R
+from analysis.report.ppl import COMPARED, full_ppl, ppl_rows, ppl_table
+from analysis.report.section import Section, figure_of, needs, num
+
+# InfiniGen at the recommended setting on the perplexity window (the speculation preset's block_input rows)
+RECOMMENDED_PPL = "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_block_input"
+FIG11 = "python run.py -m +experiment=fig11_accuracy_smollm2"  # the five tasks at real sizes
+SMOKE = ("python run.py -m +experiment=fig11_accuracy_smoke +point=full,h2o_0.0625,quant_2,infinigen_a5_b0.2,"
+         "infinigen_a7_b0.6")
+ABOVE = 0.10  # the claim's threshold: InfiniGen fetching more than about 10% of the KV cache
+
+
+def worst(part: pd.DataFrame) -> pd.Series | None:
+    """A setting's row with the highest perplexity at kv_fraction >= ABOVE (None: no such row)."""
+    above = part[part["kv"] >= ABOVE]
+    return above.loc[above["ppl"].idxmax()] if not above.empty else None
+
+
+def worst_above(part: pd.DataFrame, full: float) -> str:
+    """A setting's largest perplexity increase over full's at kv_fraction >= ABOVE."""
+    row = worst(part)
+    if row is None:
+        return f"no kv_fraction >= {num(100 * ABOVE)}% (largest {num(100 * part['kv'].max())}%)"
+    return (f"WikiText-2 perplexity at measured kv_fraction >= {num(100 * ABOVE)}% "
+            f"({int((part['kv'] >= ABOVE).sum())} budgets): at most {num(100 * (row['ppl'] / full - 1))}% above "
+            f"full's {num(full, 4)} (worst: {num(row['ppl'], 4)} at kv_fraction {num(100 * row['kv'])}%)")
+
+
+def recall_range(part: pd.DataFrame) -> str:
+    return f"{num(part['recall'].min(), 2)}-{num(part['recall'].max(), 2)}"
+
+
+def paper_finding(gen: pd.DataFrame, paper: pd.DataFrame, recommended: pd.DataFrame, full: float) -> str:
+    """The paper's OPT defaults on this model, against the recommended setting, and the speculation's recall as
+    the reason."""
+    row = worst(paper)
+    row = row if row is not None else paper.loc[paper["ppl"].idxmax()]
+    line = (f"finding: {R.paper_name(gen)} lose far more: perplexity up to {num(100 * (row['ppl'] / full - 1))}% "
+            f"above full's ({num(row['ppl'], 4)} at kv_fraction {num(100 * row['kv'])}%)")
+    best = worst(recommended) if not recommended.empty else None
+    if best is not None:
+        line += f", against at most {num(100 * (best['ppl'] / full - 1))}% at the recommended setting"
+    line += (", because their speculation finds less of the attention: the tokens they fetch carry "
+             f"{recall_range(paper)} of the attention mass (recall)")
+    if not recommended.empty and recommended["recall"].notna().any():
+        line += f", against {recall_range(recommended)} at the recommended setting"
+    return line
+
+
+def ppl_lines(rows: pd.DataFrame) -> list[str]:
+    """The recommended setting first, then every other setting, then the paper's OPT defaults as a finding."""
+    data = ppl_rows(rows)
+    full = full_ppl(data) if not data.empty else None
+    gen = data[data["method"] == "infinigen"] if not data.empty else data
+    if full is None or gen.empty:
+        return needs("WikiText-2 ppl rows of full and InfiniGen")
+    recommended, paper = gen[R.is_recommended(gen)], gen[R.is_paper(gen)]
+    out = [f"{R.lead(gen)}: {worst_above(recommended, full)}" if not recommended.empty
+           else R.missing(gen, RECOMMENDED_PPL)]
+    for _, part in gen.drop(recommended.index.union(paper.index)).groupby("curve"):
+        out.append(f"at {R.name(part.iloc[0])}: {worst_above(part, full)}")
+    return out + ([paper_finding(gen, paper, recommended, full)] if not paper.empty else [])
+
+
+def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
+    data = A.task_rows(rows)
+    if data.empty or not (data["method"] == "full").any():
+        return needs("lm-eval rows of full attention and InfiniGen")
+    gen = data[(data["method"] == "infinigen") & (data["kv_fraction"] >= ABOVE)]
+    recommended = gen[gen["recommended"].astype(bool)]
+    out = [] if not recommended.empty else [f"lm-eval {R.missing(C.of_task(rows, 'lm_eval'), FIG11)}"]
+    for (budget, limit), part in recommended.groupby(["budget", "limit"], sort=False):
+        out.append(A.setting_line(part, f"lm-eval at the recommended setting, budget {num(budget)} ({A.docs(limit)})"))
+    for (setting, budget, limit), part in gen.drop(recommended.index).groupby(["setting", "budget", "limit"],
+                                                                             sort=False):
+        out.append(A.setting_line(part, f"lm-eval, InfiniGen at {setting}, budget {num(budget)} ({A.docs(limit)})"))
+    return out or needs(f"lm-eval rows of InfiniGen at kv_fraction >= {num(100 * ABOVE)}%")
+
+
+def c1_verdict(rows: pd.DataFrame) -> list[str]:
+    return ppl_lines(rows) + lm_eval_lines(rows)
+
+
+def tables(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    return [ppl_table(rows), A.table(rows)]
+
+
+SECTION = Section(
+    "c1_accuracy", "C1. Accuracy close to full attention above 10% of the KV cache",
+    "InfiniGen keeps accuracy within a small margin of full attention once it fetches more than about 10% of the KV "
+    "cache (paper Fig. 11). Tested at the InfiniGen setting docs/methods.md recommends for the model (SmolLM2: "
+    "skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from block_input), with the paper's OPT defaults "
+    "(skip_layers 1, alpha 4, partial_ratio 0.2, speculate_from previous) and the paper's Llama-2 (alpha, budget) "
+    "pairs beside it.",
+    (SMOKE, FIG11, *COMPARED[:3], RECOMMENDED_PPL),
+    tables, c1_verdict, figure_of("fig11_accuracy"),
+    note="lm-eval accuracies carry their 95% interval (1.96 x lm-eval's acc_stderr over the task's n docs); a "
+         "difference from full's is called outside its interval when it exceeds 1.96 x sqrt(se^2 + se_full^2), "
+         "which treats the two as independent (both score the same docs, so the paired interval is narrower: "
+         "outside holds for it too). The smoke rows score the first 5 COPA docs (one doc = 20 points): a check "
+         "of the path; fig11_accuracy_smollm2 scores the five tasks at their full size or 500 docs.",
+    order=10)

@@ -1,0 +1,5 @@
+import sys
+
+from analysis.store.cli import main
+
+sys.exit(main())
