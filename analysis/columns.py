@@ -17,8 +17,8 @@ LEGACY_SIZE_PARAMS = {"h2o": {"heavy", "recent"}, "quant": {"bits"}, "infinigen"
 # method_params that do not change results (paths, bookkeeping) and never name a curve
 IGNORED_PARAMS = {"name", "size_params", "calib_data_dir", "cache_dir", "track_recall"}
 # models in order of parameter count (unknown models come after these, in store order)
-MODEL_ORDER = ["tiny-llama", "tiny-opt", "tiny-llama-gqa", "smollm2-135m", "opt-6.7b", "llama-2-7b",
-               "mistral-7b", "qwen2.5-7b", "llama-3-8b", "opt-13b", "llama-2-13b", "opt-30b"]
+MODEL_ORDER = ["tiny-llama", "tiny-opt", "tiny-llama-gqa", "tiny-gemma3", "smollm2-135m", "gemma3-270m", "opt-6.7b",
+               "llama-2-7b", "mistral-7b", "qwen2.5-7b", "llama-3-8b", "opt-13b", "llama-2-13b", "opt-30b"]
 
 
 def column(df: pd.DataFrame, name: str) -> pd.Series:

@@ -166,6 +166,7 @@ def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
         "skipped": C.column(rows, "metrics.skipped"), "sync_ops": C.column(rows, "metrics.sync_ops"),
     })
     lengths = sorted(pts["tokens"].unique())
+    pts["syncs"] = pts["syncs"] - model_syncs(pts)  # beyond the model's own forward
     out = []
     for (method, model), group in pts.groupby(["method", "model"], sort=True):
         at = {r.tokens: r for r in group.itertuples()}
@@ -173,11 +174,11 @@ def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
         line = {"method": method, "model": model,
                 "layers": int(counted["layers"].iloc[0]) if not counted.empty else None,
                 "prompt rows": "half" if (group["dense"] > 0).any() else "0"}
-        for kind in ("ops", "syncs"):
+        for kind, label in (("ops", "ops"), ("syncs", "syncs beyond full")):
             for n in lengths:
                 r = at.get(n)
-                line[f"{kind} {n}"] = ("" if r is None else "skipped" if pd.isna(getattr(r, kind))
-                                       else f"{int(getattr(r, kind)):,}")
+                line[f"{label} {n}"] = ("" if r is None else "skipped" if pd.isna(getattr(r, kind))
+                                        else f"{int(getattr(r, kind)):,}")
         line["ops per added token and layer"] = _marginal(counted)
         last = counted.sort_values("tokens").iloc[-1] if not counted.empty else None
         line["syncs by op (longest counted)"] = (f"{_sync_text(last['sync_ops'])} ({last['tokens']})"
@@ -202,9 +203,19 @@ SIM_TEXT = ("A sim-mode forward (perplexity, lm-eval scoring) is one batched pas
 SIM_NOTE = ("Rows from `make bench-ops` (as above): one `modes.sim_logits` forward of random ids (dense_rows=0; "
             "SnapKV and ShadowKV compress a prompt: half the tokens are theirs) at 512, 1024 and 2048 tokens on "
             "tiny-llama-gqa and on smollm2-135m's shape with random weights (model.random_init=true), every "
-            "method's bind (InfiniGen's calibration) run before and not counted. Syncs include transformers' one "
-            "per forward. A point projected (from the growth of the method's previous lengths) to take longer than "
+            "method's bind (InfiniGen's calibration) run before and not counted. `syncs beyond full`: a "
+            "method's host syncs less those of full attention's forward at the same length (the model's own: "
+            "transformers' packed-sequence check, once per forward). A point projected (from the growth of the "
+            "method's previous lengths) to take longer than "
             "the benchmark's --sim-budget (120 s) on this 2-core machine is skipped and marked so.")
+
+
+def model_syncs(pts: pd.DataFrame) -> pd.Series:
+    """Per point, the syncs of the model's own forward at that (model, length): full attention's count there
+    (transformers' packed-sequence check of the position ids, once per forward), 0 where full was not counted."""
+    full = pts[pts["method"] == "full"].set_index(["model", "tokens"])["syncs"]
+    keys = pd.MultiIndex.from_frame(pts[["model", "tokens"]])
+    return pd.Series(full.reindex(keys).fillna(0).to_numpy(), index=pts.index)
 
 
 def _marginal(counted: pd.DataFrame) -> float | None:
@@ -234,17 +245,25 @@ def sim_verdict(rows: pd.DataFrame) -> list[str]:
         if not full.empty:
             line += (f"full attention dispatches {int(full['ops'].iloc[0]):,} ops at {int(hi)} tokens, whatever the "
                      "length; ")
-        line += ("row-by-row replays (ops per added token and layer): "
-                 + ", ".join(f"{m} {slope[m]:.3g}" for m in looping) if looping
-                 else "no method replays rows one by one")
+        layers = int(counted["layers"].max())
+        line += ("row-by-row replays, ops per added token and layer (per decoded row over the model's "
+                 f"{layers} layers): " + ", ".join(f"{m} {slope[m]:.3g} ({slope[m] * layers:.3g})" for m in looping)
+                 if looping else "no method replays rows one by one")
         chunked = [m for m, v in slope.items() if v is not None and 0 < v < PER_ROW]
         if chunked:
             line += f"; {len(chunked)} more grow by sim attention's row chunks (< {PER_ROW:g} op per token and layer)"
-        syncs = counted.groupby("method")["syncs"].max()
-        extra = syncs[syncs > 1].sort_values(ascending=False, kind="stable")
-        line += ("; every method's forward syncs the host at most once (transformers' packed-sequence check)"
-                 if extra.empty else "; host syncs per forward beyond transformers' one: "
-                 + ", ".join(f"{m} {int(v) - 1:,}" for m, v in extra.items()))
+        long = counted[counted["tokens"] >= 1024]
+        ratio = {m: g.loc[g["tokens"].idxmax(), "ops"] / g.loc[g["tokens"].idxmin(), "ops"]
+                 for m, g in long.groupby("method") if m not in looping and g["tokens"].nunique() > 1}
+        if ratio:
+            top = max(ratio, key=ratio.get)
+            line += (f"; the {len(ratio)} others' ops at {int(long['tokens'].max())} / {int(long['tokens'].min())} "
+                     f"tokens: at most {ratio[top]:.3g}x" + (f" ({top})" if ratio[top] > 1 else ""))
+        own = int(counted.loc[counted["method"] == "full", "syncs"].max()) if (counted["method"] == "full").any() else 0
+        beyond = (counted["syncs"] - model_syncs(counted)).groupby(counted["method"]).max()
+        extra = beyond[beyond > 0].sort_values(ascending=False, kind="stable")
+        line += (f"; host syncs per forward beyond full attention's ({own}: transformers' packed-sequence check): "
+                 + ("0 for every method" if extra.empty else ", ".join(f"{m} {int(v):,}" for m, v in extra.items())))
         skipped = int(group["ops"].isna().sum())
         if skipped:
             line += f"; {skipped} point(s) skipped (projected past the benchmark's time budget)"

@@ -141,12 +141,16 @@ def side_by_side(df: pd.DataFrame) -> pd.DataFrame:
         mod, over = modelled_value(paper_rows, n), modelled_value(ours, n) if n.metric in (
             "tokens_per_s", "speedup") else None
         row = _at(paper_rows, n.method, n.setting)
+        terms = "" if row is None else largest_terms(row)
+        base = _at(paper_rows, n.baseline, n.setting) if n.metric == "speedup" else None
+        if base is not None:  # a ratio: both rows' terms
+            terms = f"{NAMES[n.method]}: {terms}; {NAMES[n.baseline]}: {largest_terms(base)}"
         out.append({"figure": n.figure, "number": describe(n), "paper": n.value,
                     "modelled (paper schedule)": mod,
                     "modelled / paper": None if mod is None else mod / n.value,
                     "within +-20%": ("derives the profile" if not n.check else
                                      None if mod is None else abs(mod / n.value - 1) <= WITHIN),
-                    "its largest terms": "" if row is None else largest_terms(row),
+                    "its largest terms": terms,
                     "modelled (overlapped)": over})
     return pd.DataFrame(out)
 

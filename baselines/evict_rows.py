@@ -84,7 +84,10 @@ class Replay:
     """One layer's replay. q (b, h, t, d) and k (b, h_kv, t, d) in the dtype logits are computed in (the model's
     for H2O, as its decode step; float32 at least for TOVA); logits are (q . k) x scale, then float32.
     state (N, t) float32 and last_row (N, t) long are updated in place. kind: "h2o" (the state accumulates minus
-    reduce(p) every row) or "tova" (evicting rows rank by state - sum(p)); reduce: "sum" | "max" | "mean"."""
+    reduce(p) every row) or "tova" (evicting rows rank by state - sum(p)); reduce: "sum" | "max" | "mean".
+    window: a local layer's sliding window W (None: a global layer): row i's logits of keys before i - W + 1 are
+    -inf, as the model's own attention and decode mode's step (`contract.in_window`) see them: those keys get
+    probability 0 (H2O accumulates nothing for them; TOVA ranks them least attended)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -93,6 +96,7 @@ class Replay:
     last_row: torch.Tensor
     kind: str
     reduce: str = "sum"
+    window: int | None = None
 
     def __post_init__(self):
         b, h, t, d = self.q.shape
@@ -116,6 +120,10 @@ class Replay:
         out.copy_((torch.bmm(qb, self.kk[:, :c].transpose(1, 2)) * self.scale).view(self.n, r, self.g, c))
         future = torch.ones(r, r, dtype=torch.bool, device=out.device).triu_(1)  # key a + j after row a + i
         out[..., a:c].masked_fill_(future[None, :, None, :], NEG)
+        if self.window is not None and z - self.window > 0:  # some row's window starts after key 0
+            position = torch.arange(a, z, device=out.device)[:, None]  # (r, 1)
+            outside = torch.arange(c, device=out.device)[None, :] <= position - self.window  # (r, c)
+            out.masked_fill_(outside[None, :, None, :], NEG)
         evicted = self.state[:, None, None, :c].isinf()  # (N, 1, 1, c): evicted before the block
         out.masked_fill_(evicted, NEG)
 

@@ -11,7 +11,7 @@ import torch
 from baselines.evict_rows import Replay, Schedule, check_capture
 from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend, logits, row_chunks
+from infinigen.contract import KVMethod, attend, in_window, logits, row_chunks
 
 
 REDUCE = {
@@ -33,7 +33,10 @@ class H2O(KVMethod):
 
     Step t, as in the paper's Algorithm 1: the query attends the entries kept after step t-1 plus itself
     (so at most budget(t-1) + 1 entries), adds its probabilities to the accumulators, then the cache shrinks to
-    the window [t - recent(t), t) plus the top heavy(t) other entries by accumulated attention. The dense
+    the window [t - recent(t), t) plus the top heavy(t) other entries by accumulated attention. On a local layer
+    (Gemma 3's sliding window W) the query attends only the held entries in its window, as the model's attention
+    does: an entry past the window receives no more attention, keeps what it accumulated and is evicted when it
+    ranks least, like any other (budgets count tokens seen, as on a global layer). The dense
     prefill counts as the steps up to t = dense_rows and is evicted to budget(dense_rows) right after it.
     `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
     through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
@@ -125,7 +128,8 @@ class H2O(KVMethod):
             held -= n
         if schedule.rows:
             state = acc.neg_().view(b * hk, s)  # minus the accumulated attention: evicted -inf, argmax = least
-            replay = Replay(q, k[:, :, :t], scale, state, last_row.view(b * hk, s), "h2o", self.gqa_reduce)
+            replay = Replay(q, k[:, :, :t], scale, state, last_row.view(b * hk, s), "h2o", self.gqa_reduce,
+                            layer.sliding_window)
             self.capture_used = replay.run(schedule, self.capture)  # False off CUDA: the eager replay ran
         return last_row
 
@@ -150,8 +154,10 @@ class H2O(KVMethod):
 
     def decode_attention(self, session, layer, q, store):
         keys, values = store.kv()
-        out, probs = attend(q, keys, values, None, layer.logit_scale, need_probs=True)
-        self.record_decode(layer, store, store.stored)
+        window = in_window(layer, store, store.seen - 1)  # (b, h_kv, s) or None: a local layer's held entries
+        out, probs = attend(q, keys, values, None if window is None else window[:, :, None], layer.logit_scale,
+                            need_probs=True)
+        self.record_decode(layer, store, store.stored if window is None else window.sum(-1))
         acc = store.entries["acc"]
         acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], 1)], dim=-1)  # the current token's accumulator
         store.entries["acc"] = acc + self.reduce(probs[:, :, :, 0])  # probs (b, h_kv, g, 1, s)

@@ -15,7 +15,7 @@ import torch
 from baselines.evict_rows import Replay, Schedule, check_capture
 from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend, widen
+from infinigen.contract import KVMethod, attend, in_window, widen
 
 
 @dataclass
@@ -23,7 +23,9 @@ class TOVA(KVMethod):
     """Keeps at most `budget` entries per KV head: after each step, while more are held, the entry the current
     query attended least (its probability summed over the KV head's query heads) is evicted for good. `budget`:
     int = tokens, float in (0, 1] = fraction of the tokens seen, the current one included (`token_count`). The
-    dense prefill is evicted to the budget once, by its last row's attention.
+    dense prefill is evicted to the budget once, by its last row's attention. On a local layer (Gemma 3's sliding
+    window W) a query attends only the held entries in its window, as the model's attention does, so the entries
+    past it are the least attended (probability 0) and go first.
 
     `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
     through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
@@ -77,7 +79,11 @@ class TOVA(KVMethod):
         n = count - token_count(self.budget, n_dense)
         if n_dense and n > 0:  # the prefill's eviction, by its last row's attention (as after_prefill's)
             row = n_dense - 1
-            probs = self.row_probs(layer, q[:, :, row : row + 1], k[:, :, :n_dense])  # (b, hk, n_dense)
+            window = None
+            if layer.sliding_window is not None:  # the last prefill row's window, as decode's in_window
+                window = torch.arange(n_dense, device=q.device) > row - layer.sliding_window  # (n_dense,)
+                window = window.expand(b, hk, -1)
+            probs = self.row_probs(layer, q[:, :, row : row + 1], k[:, :, :n_dense], window)  # (b, hk, n_dense)
             drop = self.drop_index(probs, n)  # (b, hk, n)
             state.scatter_(-1, drop, float("-inf"))
             last_row.scatter_(-1, drop, row)
@@ -91,7 +97,7 @@ class TOVA(KVMethod):
             count -= max(n, 0)
         if schedule.rows:
             replay = Replay(widen(q), widen(k[:, :, :t]), layer.logit_scale, state.view(b * hk, t),
-                            last_row.view(b * hk, s), "tova")
+                            last_row.view(b * hk, s), "tova", window=layer.sliding_window)
             self.capture_used = replay.run(schedule, self.capture)  # False off CUDA: the eager replay ran
         return last_row
 
@@ -104,7 +110,8 @@ class TOVA(KVMethod):
         n = store.stored - token_count(self.budget, store.seen)
         if n > 0:
             keys, _ = store.kv()
-            drop = self.drop_index(self.row_probs(layer, q, keys), n)
+            window = in_window(layer, store, store.seen - 1)  # (b, h_kv, s) or None
+            drop = self.drop_index(self.row_probs(layer, q, keys, window), n)
             store.keep(remaining(drop, store.stored))
 
     def after_prefill(self, session, layer, store, q, mass) -> None:
@@ -112,7 +119,8 @@ class TOVA(KVMethod):
 
     def decode_attention(self, session, layer, q, store):
         keys, values = store.kv()
-        out, _ = attend(q, keys, values, None, layer.logit_scale)
-        self.record_decode(layer, store, store.stored)  # what this step attended, before it evicts
+        window = in_window(layer, store, store.seen - 1)  # (b, h_kv, s) or None: a local layer's held entries
+        out, _ = attend(q, keys, values, None if window is None else window[:, :, None], layer.logit_scale)
+        self.record_decode(layer, store, store.stored if window is None else window.sum(-1))  # before it evicts
         self.evict(layer, store, q)
         return out

@@ -210,7 +210,7 @@ def run_modelled(cfg, method, fractions: list[float] | None = None, source: str 
     over = mem["device_bytes"] / 2**30 - hw.device_memory_gib
     seen = [task.prompt_len + s + 1 for s in range(task.gen_len)]
     kv = None if fractions is None else sum(
-        sum((perf.selected_counts(fractions, plan, n)[i] + 1) / n if k == "gather" else 1.0
+        sum((perf.selected_counts(fractions, plan, n)[i] + 1) / plan.visible(i, n) if k == "gather" else 1.0
             for i, k in enumerate(kinds)) / len(kinds) for n in seen) / len(seen)
     return {
         "batch_size": task.batch_size, "prompt_len": task.prompt_len, "gen_len": task.gen_len,

@@ -92,8 +92,14 @@ def softmax64(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.double(), dim=-1)
 
 
-def h2o_reference(scores, heavy, recent, dense_rows, reduce):
-    """From-scratch H2O, one KV head at a time with Python sets: scores (h_kv, g, t, t) -> keep (h_kv, t, t)."""
+def in_reach(row, keys, window):
+    """The keys a row attends on a layer with a sliding window (None: every key), ascending."""
+    return sorted(j for j in keys if window is None or j > row - window)
+
+
+def h2o_reference(scores, heavy, recent, dense_rows, reduce, window=None):
+    """From-scratch H2O, one KV head at a time with Python sets: scores (h_kv, g, t, t) -> keep (h_kv, t, t). A
+    row attends the kept keys in its window (all: window None); the others keep what they accumulated."""
     hk, g, t, _ = scores.shape
     agg = {"sum": lambda p: p.sum(0), "max": lambda p: p.amax(0), "mean": lambda p: p.mean(0)}[reduce]
     keep = torch.zeros(hk, t, t, dtype=torch.bool)
@@ -102,19 +108,20 @@ def h2o_reference(scores, heavy, recent, dense_rows, reduce):
         kept: set[int] = set()
 
         def evict(seen):
-            window = {j for j in kept if j >= seen - token_count(recent, seen)}
-            others = sorted(kept - window, key=lambda j: -acc[j])
-            return window | set(others[: token_count(heavy, seen)])
+            recent_ = {j for j in kept if j >= seen - token_count(recent, seen)}
+            others = sorted(kept - recent_, key=lambda j: -acc[j])
+            return recent_ | set(others[: token_count(heavy, seen)])
 
         for row in range(dense_rows):
-            for j, p in enumerate(agg(softmax64(scores[h, :, row, : row + 1])).tolist()):
+            idx = in_reach(row, range(row + 1), window)
+            for j, p in zip(idx, agg(softmax64(scores[h, :, row, idx])).tolist()):
                 acc[j] += p
         if dense_rows:
             kept = set(range(dense_rows))
             kept = evict(dense_rows)
         for row in range(dense_rows, t):
             kept.add(row)
-            idx = sorted(kept)
+            idx = in_reach(row, kept, window)
             for j, p in zip(idx, agg(softmax64(scores[h, :, row, idx])).tolist()):
                 acc[j] += p
             keep[h, row, idx] = True
@@ -122,21 +129,30 @@ def h2o_reference(scores, heavy, recent, dense_rows, reduce):
     return keep
 
 
+def sliding(t, window):
+    """The (1, 1, t, t) mask transformers gives a layer: causal, and within the window where there is one."""
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    return ((j <= i) & ((j > i - window) if window else True))[None, None]
+
+
 @pytest.mark.parametrize(
-    "heavy,recent,dense_rows,reduce",
-    [(0.2, 0.1, 0, "sum"), (4, 3, 10, "sum"), (0.15, 5, 12, "max"), (3, 0.2, 6, "mean"), (0.3, 0.3, 0, "max")],
+    "heavy,recent,dense_rows,reduce,window",
+    [(0.2, 0.1, 0, "sum", None), (4, 3, 10, "sum", None), (0.15, 5, 12, "max", None), (3, 0.2, 6, "mean", None),
+     (0.3, 0.3, 0, "max", None), (0.3, 0.1, 0, "sum", 9), (4, 3, 12, "max", 7)],
 )
-def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduce, monkeypatch):
+def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduce, window, monkeypatch):
+    """Window: a local layer (Gemma 3's sliding_attention), whose rows attend only the kept keys in reach."""
     monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses chunk boundaries (prefill and rows)
     hk, g, t, d = 2, 3, 40, 16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, hk * g, t, d, generator=gen)
     k = torch.randn(1, hk, t, d, generator=gen)
     scale = d**-0.5
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    allowed = sliding(t, window)
     method = H2O(heavy=heavy, recent=recent, gqa_reduce=reduce)
-    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=scale), q, k, allowed)
-    ref = h2o_reference(logits(q, k, scale)[0].double(), heavy, recent, dense_rows, reduce)
+    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
+    ref = h2o_reference(logits(q, k, scale)[0].double(), heavy, recent, dense_rows, reduce, window)
     assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
     assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
 
@@ -197,38 +213,41 @@ def test_h2o_gqa_reduce_sim_equals_decode(reduce):
 # ----------------------------------------------------------------------------------------------- TOVA
 
 
-def tova_reference(scores, budget, dense_rows):
-    """From-scratch TOVA, one KV head at a time with Python sets: scores (h_kv, g, t, t) -> keep (h_kv, t, t)."""
+def tova_reference(scores, budget, dense_rows, window=None):
+    """From-scratch TOVA, one KV head at a time with Python sets: scores (h_kv, g, t, t) -> keep (h_kv, t, t). A
+    row attends the kept keys in its window (all: window None); a kept key outside it got probability 0."""
     hk, g, t, _ = scores.shape
     keep = torch.zeros(hk, t, t, dtype=torch.bool)
     for h in range(hk):
         def evict(kept, row):  # the n least attended by the row (over what it attended) go at once
             n = len(kept) - token_count(budget, row + 1)
-            idx = sorted(kept)
-            probs = softmax64(scores[h, :, row, idx]).sum(0).tolist()
-            least = sorted(range(len(idx)), key=lambda i: (probs[i], i))[: max(n, 0)]  # ties: the earliest
-            return kept - {idx[i] for i in least}
+            idx, seen = sorted(kept), in_reach(row, kept, window)
+            probs = dict(zip(seen, softmax64(scores[h, :, row, seen]).sum(0).tolist()))
+            least = sorted(idx, key=lambda j: (probs.get(j, 0.0), j))[: max(n, 0)]  # ties: the earliest
+            return kept - set(least)
 
         kept = evict(set(range(dense_rows)), dense_rows - 1) if dense_rows else set()
         for row in range(dense_rows, t):
             kept = kept | {row}
-            keep[h, row, sorted(kept)] = True
+            keep[h, row, in_reach(row, kept, window)] = True
             kept = evict(kept, row)
     return keep
 
 
-@pytest.mark.parametrize("budget,dense_rows", [(0.3, 0), (6, 10), (0.5, 12), (3, 0)])
-def test_tova_sim_keeps_what_the_reference_keeps(budget, dense_rows, monkeypatch):
+@pytest.mark.parametrize("budget,dense_rows,window", [(0.3, 0, None), (6, 10, None), (0.5, 12, None), (3, 0, None),
+                                                      (0.5, 0, 9), (8, 14, 6)])
+def test_tova_sim_keeps_what_the_reference_keeps(budget, dense_rows, window, monkeypatch):
     monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses blocks of rows
     hk, g, t, d = 2, 3, 40, 16
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, hk * g, t, d, generator=gen)
     k = torch.randn(1, hk, t, d, generator=gen)
     scale = d**-0.5
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    allowed = sliding(t, window)
     method = TOVA(budget=budget)
-    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=scale), q, k, allowed)
-    ref = tova_reference(logits(q, k, scale)[0].double(), budget, dense_rows)
+    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
+    ref = tova_reference(logits(q, k, scale)[0].double(), budget, dense_rows, window)
     assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
     assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
 
@@ -249,7 +268,7 @@ def test_static_step_replays_what_the_eager_replay_does(make, dense_rows, monkey
     b, hk, g, t, d = 2, 2, 3, 70, 16
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(b, hk * g, t, d, generator=gen), torch.randn(b, hk, t, d, generator=gen)
-    session, layer = SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=d**-0.5)
+    session, layer = SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=d**-0.5, sliding_window=None)
     allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
     eager = make().sim_state(session, layer, q, k, k, allowed)
 

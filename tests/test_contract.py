@@ -35,26 +35,12 @@ FP32_METHODS = ["full", "offload", "streaming"]
 DEFAULT_MODELS = ["tiny-llama-gqa", "tiny-opt", "tiny-gemma3"]
 VARIANT_MODEL = "tiny-llama-gqa"
 VARIANTS_ON_EVERY_MODEL = [{"speculate_from": "block_input"}, {"speculate_from": "after_attention"}]
-# Methods that attend outside the contract's shared decode steps and replay their own evictions in sim mode: a local
-# layer's window has to reach those replays and steps in the method itself (not done yet)
-OWN_WINDOW = {"h2o", "tova"}
-
-
-def model_param(method, model):
-    """A (method, model) case, expected to fail where the method does not yet honour a local layer's window."""
-    if model == "tiny-gemma3" and method in OWN_WINDOW:
-        return [pytest.mark.xfail(strict=True, reason=f"{method} attends outside a local layer's window in decode "
-                                                      "mode and ignores it in its sim-mode replay")]
-    return []
-
-
 def cases(models, with_variants=True):
     for method in METHODS:
         for overrides in variants(method) if with_variants else [{}]:
             on = models if not overrides or overrides in VARIANTS_ON_EVERY_MODEL else [VARIANT_MODEL]
             for model in on:
-                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}",
-                                   marks=model_param(method, model))
+                yield pytest.param(method, overrides, model, id=f"{method}-{model}-{overrides or 'default'}")
 
 
 def check_contract(method_name, overrides, model_name, prompt, decoded, dtype=None, tol=TOL):

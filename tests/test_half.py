@@ -28,7 +28,6 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, model_cfg, sample_ids, variants
-from test_contract import model_param
 from infinigen import adapter, modes
 from infinigen.offload.runtime import teacher_forced_logits
 
@@ -125,12 +124,7 @@ def check_agreement(a: Run, b: Run, dtype: str, choices_fixed: bool, what: str) 
 
 CASES = [pytest.param(m, model, dtype, id=f"{m}-{model}-{dtype}")
          for m in METHODS for model in MODELS for dtype in HALF]
-# sim against decode: H2O and TOVA do not yet honour a local layer's window there (tests/test_contract.py OWN_WINDOW)
-MODE_CASES = [pytest.param(*case.values, id=case.id, marks=model_param(case.values[0], case.values[1]))
-              for case in CASES]
-
-
-@pytest.mark.parametrize("method_name,model_name,dtype", MODE_CASES)
+@pytest.mark.parametrize("method_name,model_name,dtype", CASES)
 def test_sim_decode_and_runtime_agree_in_half_precision(method_name, model_name, dtype):
     r = runs(method_name, model_name, dtype)
     fixed = method_name in VALUE_FREE + QUANTISERS

@@ -381,3 +381,25 @@ def test_validate_gpu_writes_its_table_into_a_marked_block(tmp_path):
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "stale" not in text
     assert "| infinigen | 437.2 |" in text and "4 of 5 rows within +-25%." in text
+
+
+def test_local_layers_are_priced_within_their_window():
+    """Gemma 3's local layers in the model: a held pool that never evicts sends only the window's rows (as
+    HeldExecutor does), and a gathering layer's measured kv_fraction is a share of the window, not of the whole
+    context; global layers send and select over everything."""
+    from conftest import model_cfg
+
+    shape = perf.Shape.of(model_cfg("gemma3-270m"))
+    assert shape.windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert perf.Shape.of(model_cfg("tiny-llama-gqa")).windows == ()
+    offload = method_from_conf("offload")
+    p = perf.plan(offload, shape, "auto", 4096)
+    row = shape.kv_heads * p.row_bytes[0]
+    sent = perf.step_bytes(offload, shape, p, 1, 3000, 2048, [0.0] * shape.layers)
+    assert sent == [(3000 if w is None else 511) * row for w in shape.windows]
+    gather = perf.plan(method_from_conf("infinigen"), shape, "auto", 4096)
+    assert any(k == "gather" and w for k, w in zip(gather.kinds, shape.windows))
+    selected = perf.selected_counts([0.25] * shape.layers, gather, 3001)
+    for i, w in enumerate(shape.windows):
+        if gather.kinds[i] == "gather":
+            assert selected[i] == pytest.approx(0.25 * (3001 if w is None else 512) - 1)

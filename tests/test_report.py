@@ -16,7 +16,7 @@ import pytest
 from analysis import columns, figures, report, speed, store
 from analysis.report import compose, matching, render
 from analysis.report import recommended
-from analysis.report.sections import c1_accuracy, c2_baselines, c6_ablation, sim_cost, successors
+from analysis.report.sections import c1_accuracy, c2_baselines, c6_ablation, gemma3_speed, sim_cost, successors
 from conftest import ROOT
 from experiments.lm_eval_tasks.ruler import ruler_names
 
@@ -212,7 +212,7 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     # the speed sections read the performance model's own metrics (terms, validation ratios), which synthetic
     # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
     # (tests/test_figures.py)
-    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim"}
+    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim", "gemma3_speed"}
     missing = [s.title for s in report.discover() if s.slug not in own_rows
                and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
@@ -240,14 +240,18 @@ def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
 
     from experiments import bench_memory
 
-    args = SimpleNamespace(model="smollm2-135m", method="full")
-    for tokens, task_gb, forward_gb in ((1024, 1.3, 1.6), (8192, 1.65, 5.2)):
-        bench_memory.write_row(str(tmp_path / "store"), args, tokens, int(task_gb * 1e9), int(forward_gb * 1e9),
-                               int(1.2e9), 14.0851, 14.0849)
+    for model, points in (("gemma3-270m", ((1024, 2.3, 4.1), (2048, 2.9, 6.2))),
+                          ("smollm2-135m", ((1024, 1.3, 1.6), (8192, 1.65, 5.2)))):
+        for tokens, task_gb, forward_gb in points:
+            bench_memory.write_row(str(tmp_path / "store"), SimpleNamespace(model=model, method="full"), tokens,
+                                   int(task_gb * 1e9), int(forward_gb * 1e9), int(1.2e9), 14.0851, 14.0849)
     text = (regenerate(tmp_path / "gen", tmp_path / "store", figures=False) / "results.md").read_text()
     section = text.split("## Beyond the paper: evaluation memory along the sequence", 1)[1]
-    assert ("peak RSS at 8192 tokens: ppl task 1.65 GB, the model's own forward 5.2 GB; growth 1024..8192 tokens: "
-            "ppl task 0.0488 MB/token, forward 0.502 MB/token") in section
+    # per model, the smaller first whatever order the rows were written in
+    assert ("* smollm2-135m: peak RSS at 8192 tokens: ppl task 1.65 GB, the model's own forward 5.2 GB; growth "
+            "1024..8192 tokens: ppl task 0.0488 MB/token, forward 0.502 MB/token\n* gemma3-270m: peak RSS at 2048 "
+            "tokens: ppl task 2.9 GB, the model's own forward 6.2 GB; growth 1024..2048 tokens: ppl task 0.586 "
+            "MB/token, forward 2.05 MB/token") in section
     assert "None: every stored run matches" in text
 
 
@@ -301,6 +305,23 @@ def test_successors_verdict_reads_the_oracle_as_the_bound_and_prints_no_missing_
         assert "n/a" not in line
         best = line.split("most accurate: ", 1)[1]
         assert not best.startswith("oracle") or best.startswith("oracle (the exact top-k), of the others "), line
+
+
+def test_gemma3_speed_reads_each_models_shape_from_its_config():
+    """The Gemma 3 speed section (committed rows): each model's K|V per token and local layers from its own config,
+    the bytes full offload moves from the model, and the comparison line naming both."""
+    rows = matching.match(matching.load(DOCS / "store"), gemma3_speed.SECTION.commands).rows
+    lines = gemma3_speed.verdict(rows)
+    assert lines[0].startswith("smollm2-135m (30 layers x 3 KV head(s) x 64, bfloat16; every layer global): "
+                               "K|V 22.5 KB")
+    assert lines[1].startswith("gemma3-270m (18 layers x 1 KV head(s) x 256, bfloat16; 15 local layers with a "
+                               "512-token window): K|V 18 KB")
+    assert lines[2].startswith("what the shape does: gemma3-270m's single KV head and local windows")
+    table = gemma3_speed.table(rows)
+    sent = table[table["method"] == "offload"].set_index("model")["MB per step"]
+    # per batch row: smollm2 sends 4096 positions x 22.5 KB; gemma3 1 KB per layer and position, of 4096 positions
+    # on its 3 global layers and at most 511 on its 15 local ones
+    assert sent["gemma3-270m"] / sent["smollm2-135m"] == pytest.approx((3 * 4096 + 15 * 511) / (4096 * 22.5), rel=0.01)
 
 
 def test_validation_table_carries_each_points_measured_rounds():

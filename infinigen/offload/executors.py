@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import keep_mask
+from infinigen.contract import full_past, keep_mask
 from infinigen.offload.codecs import FpCodec, head_major
 from infinigen.offload.link import Fetched
 from infinigen.offload.pool import HostPool, PoolStore
@@ -57,8 +57,13 @@ class Executor:
 
     def decode(self, session, q, store: KVStore) -> torch.Tensor:
         i, b, hk = self.layer.index, q.shape[0], self.layer.num_kv_heads
-        self.rt.tally(i, attended=torch.full((b, hk), float(store.stored - 1)), fetched=0)
+        self.rt.tally(i, attended=torch.full((b, hk), float(self.attended(store))), fetched=0)
         return self.method.decode_attention(session, self.layer, q, store)
+
+    def attended(self, store: KVStore) -> int:
+        """Past entries the current row attends of those `store` holds: on a local layer, those in its window
+        (exact for a store that never evicts, whose entries are its positions; a bound for one that evicts)."""
+        return min(store.stored - 1, full_past(self.layer, store.seen - 1))
 
     # ------------------------------------------------------------------ fetches
     def submit(self, job, *extra) -> None:
@@ -129,7 +134,15 @@ class HeldExecutor(PoolExecutor):
 
     def prefetch(self, session):
         store = session.cache.layers[self.layer.index]
-        self.submit(store.pool.prefix_job(None if store.evicting else store.stored, self.next_landing()))
+        self.fetch(store, position=store.seen)  # ahead of the layer: its token is not stored yet
+
+    def fetch(self, store: PoolStore, position: int) -> None:
+        """The rows the token at `position` attends cross (of a local layer, those in its window)."""
+        if store.evicting:  # slots are not in position order: the whole occupied range crosses
+            self.submit(store.pool.prefix_job(None, self.next_landing()))
+            return
+        first = position - full_past(self.layer, position)  # entry n in slot n: the window's first row
+        self.submit(store.pool.prefix_job(store.stored, self.next_landing(), first))
 
     def landed(self, fetched: Fetched, store: PoolStore) -> torch.Tensor:
         """The fetched rows with the current token's row in its slot, (slots, b*h_kv, W) on the device, so the
@@ -147,7 +160,7 @@ class HeldExecutor(PoolExecutor):
 
     def prepare(self, session, q, store):
         if self.pending is None:  # the first step: nothing earlier to overlap this copy with
-            self.prefetch(session)
+            self.fetch(store, position=store.seen - 1)  # the token is stored: it is the row that attends
 
     def decode(self, session, q, store):
         b, hk = q.shape[0], self.layer.num_kv_heads
@@ -162,7 +175,7 @@ class HeldExecutor(PoolExecutor):
             store.keys, store.values = store.codec.decode(rows)  # (b, h_kv, s, d)
         else:  # a pool that never evicts holds entry n in slot n
             store.keys, store.values = decode_pool(store.codec, rows[: store.stored], b, hk)
-        self.rt.tally(self.layer.index, attended=torch.full((b, hk), float(store.stored - 1)), fetched=None)
+        self.rt.tally(self.layer.index, attended=torch.full((b, hk), float(self.attended(store))), fetched=None)
         out = self.method.decode_attention(session, self.layer, q, store)
         store.keys = store.values = None
         self.release(fetched)

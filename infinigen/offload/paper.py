@@ -40,6 +40,9 @@ ARTIFACT_WEIGHT_OFFLOAD = {"opt-30b": 0.3}
 # cache's update (set_partial_cache + cat: 4) and the concatenations that replace the cache writes (2). Each is
 # priced at the profile's launch_us: the artifact synchronises the device after every layer, so nothing hides it
 SCHEME_OPS = {"ideal": 19, "flexgen": 25, "int4": 41, "h2o": 39, "infinigen": 52}
+# attention layers whose cache H2O's loop loads in series (h2o/flex_opt.py: attn_layer[:2]); later ones are
+# loaded by the previous attention layer, beside the MLP between them
+H2O_SERIAL_LAYERS = 2
 # device bytes per cached element that FlexGen's decode attention moves: K and V relaid out by
 # permute().reshape() (a copy: read + write) before the bmm reads them: 3 passes of the element
 ATTEND_PASSES = 3
@@ -69,7 +72,8 @@ class Switches:
     pageable: bool = True
     # h2o/flex_opt.py SelfAttention.set_task / load_cache: hh_k = hh_ratio x prompt (0.5 x prompt on layers 0-1),
     # and every step moves min(2 hh_k - 1, prompt) + 1 rows, the heavy hitters and recent window replaced in
-    # place. Off: the rows this project's H2O holds at that step
+    # place; the prefill stores only those (its KV pruned on the device first). Off: the rows this project's H2O
+    # holds at that step, and the whole prompt stored
     fixed_h2o: bool = True
     # compression.py: the 4-bit cache crosses compressed and is decompressed on the device into fp16 (new tensors)
     # before attention reads it. Off: attention reads the codes (a fused kernel: no extra pass)
@@ -171,6 +175,13 @@ def selected_rows(method, fractions: list[float] | str | None, i: int, seen: int
     return min(max(0.0, want), method.max_selected(seen), seen - 1.0)
 
 
+def fixed_h2o_rows(method, i: int, prompt_len: int) -> int:
+    """Rows per (row, head) of layer i that the artifact's H2O holds, moves every step and stores at the prefill
+    (h2o/pytorch_backend.py mha: the prompt's KV pruned to its 2 hh_k heavy and recent rows before store_cache):
+    max_held(prompt) = heavy + recent of the prompt, the whole prompt on layers 0-1 (hh_k = 0.5 x prompt)."""
+    return prompt_len if i < 2 else method.max_held(prompt_len)
+
+
 def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: Switches, batch: int,
                 prompt_len: int, past: int, fractions: list[float] | str | None, weight_share: float) -> list[dict]:
     """Per layer, seconds of one decode step with `past` earlier tokens under the artifact's schedule: what the
@@ -192,12 +203,17 @@ def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: 
             moved = past * bh * p.row_bytes[i] / home
             dequant = DEQUANT_BYTES * past * bh * 2 * shape.head_dim / r.device if sw.serial_dequant else 0.0
         elif name == "h2o":
-            # max_held(prompt) = heavy + recent of the prompt: the artifact's 2 hh_k rows
-            rows = ((prompt_len if i < 2 else method.max_held(prompt_len)) if sw.fixed_h2o
+            rows = (fixed_h2o_rows(method, i, prompt_len) if sw.fixed_h2o
                     else perf.held_rows(method, p, i, past, prompt_len))
             attended = rows + 1
             host = 2 * rows * bh * kv_row / r.copy if sw.pageable else 0.0  # home -> pinned prefetch_kv
-            moved = rows * bh * kv_row / r.pinned
+            # h2o/flex_opt.py generation_loop_normal: layers 0-1 load their cache in series; from layer 2 on the
+            # previous attention issues it (load_cache, overlap=True: the host copy on the host thread, then the
+            # copy on the load stream) and it runs beside that layer's MLP, as InfiniGen's prefetch below
+            if i < H2O_SERIAL_LAYERS:
+                moved = rows * bh * kv_row / r.pinned
+            else:
+                prefetched = rows * bh * kv_row / r.pinned
         elif name == "infinigen":
             rows = selected_rows(method, fractions, i, seen)
             attended = rows + 1
@@ -236,7 +252,7 @@ def decode_step(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: 
 def prefill_seconds(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: Switches, batch: int,
                     prompt_len: int, weight_share: float) -> float:
     """The artifact's prefill: each layer's weights (the offloaded share), its compute (the scores materialised
-    by bmm), then its KV stored to the host home (compressed for INT4), layer after layer."""
+    by bmm), then its KV stored to the host home (compressed for INT4; H2O's pruned rows), layer after layer."""
     r = Rates.of(hw)
     b, P, e = batch, prompt_len, shape.elem
     total = 0.0
@@ -248,7 +264,8 @@ def prefill_seconds(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, 
         store = 0.0
         if name != "ideal":
             row = p.row_bytes[i] if name == "int4" else 2 * shape.head_dim * e
-            store = b * shape.kv_heads * P * row / (r.pageable if sw.pageable else r.pinned)
+            rows = fixed_h2o_rows(method, i, P) if name == "h2o" and sw.fixed_h2o else P
+            store = b * shape.kv_heads * rows * row / (r.pageable if sw.pageable else r.pinned)
         weights = weight_share * (shape.attn_weights + shape.ffn_weights) * e / r.pinned
         total += compute + store + weights if sw.serial else max(compute, store + weights)
     return total + perf.head_seconds(hw, shape, b)

@@ -143,10 +143,26 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+    sliding_window: int | None = None  # a local layer's window W (Gemma 3's sliding_attention); None: global
 
     @property
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+def layer_windows(arch: dict, layers: int) -> tuple:
+    """Per layer the sliding window W of a local layer, None for a global one, as transformers reads the config:
+    `layer_types` names each layer (Gemma 3: sliding_attention / full_attention); a `sliding_window` without
+    them applies to every layer (Mistral); neither: every layer global."""
+    window = arch.get("sliding_window")
+    if not window:
+        return ()
+    types = arch.get("layer_types")
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ValueError(f"model.arch.layer_types names {len(types)} layers, num_hidden_layers is {layers}")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -163,6 +179,7 @@ class Shape:
     elem: int  # bytes per element of the model's dtype
     dtype: str
     tied: bool
+    windows: tuple = ()  # per layer, a local layer's window W or None (empty: every layer global)
 
     @classmethod
     def of(cls, model_cfg) -> "Shape":
@@ -170,17 +187,19 @@ class Shape:
         heads = int(arch["num_attention_heads"])
         hidden = int(arch["hidden_size"])
         opt = arch["model_type"] == "opt"
+        layers = int(arch["num_hidden_layers"])
         return cls(
             family="opt" if opt else "llama", layers=int(arch["num_hidden_layers"]), hidden=hidden, heads=heads,
             kv_heads=int(arch.get("num_key_value_heads") or heads),
             head_dim=int(arch.get("head_dim") or hidden // heads),
             ffn=int(arch["ffn_dim"] if opt else arch["intermediate_size"]), ffn_matrices=2 if opt else 3,
             vocab=int(arch["vocab_size"]), elem=DTYPE_BYTES[str(model_cfg.dtype)], dtype=str(model_cfg.dtype),
-            tied=bool(arch.get("tie_word_embeddings", opt)),
+            tied=bool(arch.get("tie_word_embeddings", opt)), windows=layer_windows(arch, layers),
         )
 
     def layer(self, i: int) -> LayerSpec:
-        return LayerSpec(i, self.heads, self.kv_heads, self.head_dim, self.hidden)
+        window = self.windows[i] if self.windows else None
+        return LayerSpec(i, self.heads, self.kv_heads, self.head_dim, self.hidden, window)
 
     @property
     def attn_weights(self) -> int:
@@ -205,6 +224,13 @@ class Plan:
     slots: list[int]
     evicting: list[bool]
     decodes: list[bool]  # the codec is not plain K|V: its rows are decoded into a fresh K, V before attending
+    windows: list = field(default_factory=list)  # a local layer's window W, None: global (empty: all global)
+
+    def visible(self, i: int, seen: int) -> int:
+        """Positions the row that makes `seen` tokens attends on layer i (itself included): all of them on a
+        global layer, at most W on a local one (what kv_fraction counts against)."""
+        window = self.windows[i] if self.windows else None
+        return seen if window is None else min(seen, window)
 
 
 def plan(method, shape: Shape, runtime: str, max_len: int) -> Plan:
@@ -214,7 +240,7 @@ def plan(method, shape: Shape, runtime: str, max_len: int) -> Plan:
     from infinigen.offload.runtime import layer_kind
 
     dtype = getattr(torch, shape.dtype)
-    out = Plan([], [], [], [], [])
+    out = Plan([], [], [], [], [], [shape.layer(i).sliding_window for i in range(shape.layers)])
     for i in range(shape.layers):
         layer = shape.layer(i)
         kind = layer_kind(method, layer, runtime)
@@ -234,10 +260,11 @@ def plan(method, shape: Shape, runtime: str, max_len: int) -> Plan:
 
 def held_rows(method, plan_: Plan, i: int, past: int, prompt_len: int) -> int:
     """Rows a held layer's fetch carries at a step with `past` earlier tokens: every written row of a pool that
-    never evicts; an evicting pool's high-water mark: what the prefill kept (max_held(P) - 1: max_held counts the
-    current token on top), or the most held at once by an earlier step (max_held of its length)."""
+    never evicts (of a local layer, those in its window); an evicting pool's high-water mark: what the prefill
+    kept (max_held(P) - 1: max_held counts the current token on top), or the most held at once by an earlier step
+    (max_held of its length)."""
     if not plan_.evicting[i]:
-        return past
+        return plan_.visible(i, past + 1) - 1  # entry n in slot n: a local layer sends its window's rows only
     kept = method.max_held(prompt_len) - 1
     return min(plan_.slots[i], kept if past == prompt_len else max(kept, method.max_held(past - 1)))
 
@@ -448,10 +475,12 @@ class Link:
 
 def selected_counts(fractions: list[float] | None, plan_: Plan, seen: int) -> list[float]:
     """Mean past entries a (row, KV head) of each gather layer selects when `seen` tokens exist, from the layer's
-    kv_fraction (selected past + itself, over seen)."""
+    kv_fraction (selected past + itself, over what the row may attend: `Plan.visible`)."""
     if fractions is None:
         return [0.0] * len(plan_.kinds)
-    return [min(seen - 1.0, max(0.0, f * seen - 1)) if k == "gather" else 0.0 for f, k in zip(fractions, plan_.kinds)]
+    visible = [plan_.visible(i, seen) for i in range(len(plan_.kinds))]
+    return [min(v - 1.0, max(0.0, f * v - 1)) if k == "gather" else 0.0
+            for f, k, v in zip(fractions, plan_.kinds, visible)]
 
 
 def attended_entries(method, plan_: Plan, i: int, seen: int, selected: float) -> float:

@@ -83,26 +83,29 @@ class HostPool:
                 running.append(job)
         self.jobs = running
 
-    def prefix_job(self, n: int | None, slot: Slot | None):
+    def prefix_job(self, n: int | None, slot: Slot | None, first: int = 0):
         """Rows [0, n) (n=None: every row this pool's writes issued so far reach, once they have run; a write
-        issued later may run first on its own thread, and is not counted)."""
+        issued later may run first on its own thread, and is not counted). Only rows [first, n) cross, landing at
+        their own offsets (a local layer's window: rows before it are masked, and the landing slot's stale rows
+        there are finite)."""
         link, writes, hwm = self.link, list(self.jobs), self.hwm
 
         def job() -> Fetched:
             t0 = link.clock()
             reached = max([hwm] + [w.result() for w in writes])
             src = self.data[: reached if n is None else n]
-            nbytes = src.numel() * src.element_size()
+            crossing = src[first:]
+            nbytes = crossing.numel() * crossing.element_size()
             if slot is None:
-                return Fetched(src, src.shape[0] * src.shape[1], nbytes, link.clock() - t0)
+                return Fetched(src, crossing.shape[0] * crossing.shape[1], nbytes, link.clock() - t0)
             start, end = link.event(timing=True), link.event(timing=True)
             with link.side():
                 link.side_wait(slot.free)
                 start.record(link.stream)
                 dst = slot.dev[: src.numel()].view(src.shape)
-                dst.copy_(src, non_blocking=link.cuda)
+                dst[first:].copy_(crossing, non_blocking=link.cuda)
                 end.record(link.stream)
-            return Fetched(dst, src.shape[0] * src.shape[1], nbytes, link.clock() - t0, end, start, slot)
+            return Fetched(dst, crossing.shape[0] * crossing.shape[1], nbytes, link.clock() - t0, end, start, slot)
 
         return job
 
