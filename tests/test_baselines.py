@@ -135,6 +135,20 @@ def sliding(t, window):
     return ((j <= i) & ((j > i - window) if window else True))[None, None]
 
 
+def replayed_keep(method, seed, dense_rows, window, hk=2, g=3, t=40, d=16):
+    """A sequential-eviction method's sim keep mask on random q, k (seeded), within what the layer attends
+    (causal, and its window if it has one), (1, h_kv, t, t); and the scores (h_kv, g, t, t) float64 that the
+    from-scratch references replay."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hk * g, t, d, generator=gen)
+    k = torch.randn(1, hk, t, d, generator=gen)
+    scale = d**-0.5
+    allowed = sliding(t, window)
+    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
+    return keep, logits(q, k, scale)[0].double()
+
+
 @pytest.mark.parametrize(
     "heavy,recent,dense_rows,reduce,window",
     [(0.2, 0.1, 0, "sum", None), (4, 3, 10, "sum", None), (0.15, 5, 12, "max", None), (3, 0.2, 6, "mean", None),
@@ -143,16 +157,8 @@ def sliding(t, window):
 def test_h2o_sim_keeps_what_the_reference_keeps(heavy, recent, dense_rows, reduce, window, monkeypatch):
     """Window: a local layer (Gemma 3's sliding_attention), whose rows attend only the kept keys in reach."""
     monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses chunk boundaries (prefill and rows)
-    hk, g, t, d = 2, 3, 40, 16
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, hk * g, t, d, generator=gen)
-    k = torch.randn(1, hk, t, d, generator=gen)
-    scale = d**-0.5
-    allowed = sliding(t, window)
-    method = H2O(heavy=heavy, recent=recent, gqa_reduce=reduce)
-    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
-    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
-    ref = h2o_reference(logits(q, k, scale)[0].double(), heavy, recent, dense_rows, reduce, window)
+    keep, scores = replayed_keep(H2O(heavy=heavy, recent=recent, gqa_reduce=reduce), 1, dense_rows, window)
+    ref = h2o_reference(scores, heavy, recent, dense_rows, reduce, window)
     assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
     assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
 
@@ -238,16 +244,8 @@ def tova_reference(scores, budget, dense_rows, window=None):
                                                       (0.5, 0, 9), (8, 14, 6)])
 def test_tova_sim_keeps_what_the_reference_keeps(budget, dense_rows, window, monkeypatch):
     monkeypatch.setattr(method_module, "SIM_CHUNK", 7)  # the replay crosses blocks of rows
-    hk, g, t, d = 2, 3, 40, 16
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, hk * g, t, d, generator=gen)
-    k = torch.randn(1, hk, t, d, generator=gen)
-    scale = d**-0.5
-    allowed = sliding(t, window)
-    method = TOVA(budget=budget)
-    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
-    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
-    ref = tova_reference(logits(q, k, scale)[0].double(), budget, dense_rows, window)
+    keep, scores = replayed_keep(TOVA(budget=budget), 2, dense_rows, window)
+    ref = tova_reference(scores, budget, dense_rows, window)
     assert torch.equal(keep[0, :, dense_rows:], ref[:, dense_rows:])
     assert not keep[0, :, dense_rows:].all(-1).all()  # something was evicted: the check is not vacuous
 
