@@ -32,7 +32,10 @@ TIMINGS = ("measured", "modelled")
 
 
 def positions_needed(task) -> tuple[str, int]:
-    """The option that sets the longest sequence this task feeds the model, and its value."""
+    """The option that sets the longest sequence this task feeds the model, and its value. The paper's runtime
+    never feeds its last generated token (flex_opt.py: "last token, no need to store cache")."""
+    if task.get("schedule") == "paper":
+        return "task.prompt_len + task.gen_len - 1", task.prompt_len + task.gen_len - 1
     return "task.prompt_len + task.gen_len", task.prompt_len + task.gen_len
 
 
@@ -66,6 +69,9 @@ def validate(task, data_dir) -> None:
     if schedule == "paper":
         if task.get("timing", "measured") != "modelled":
             raise ValueError("task.schedule=paper models the paper's runtime: it needs task.timing=modelled")
+        if task.gen_len < 2:
+            raise ValueError(f"task.gen_len must be an integer >= 2 under task.schedule=paper (the prefill yields "
+                             f"the first token, then gen_len - 1 decode steps), got {task.gen_len!r}")
         from infinigen.offload.paper import switches
 
         switches(task.get("paper"))

@@ -67,6 +67,10 @@ def test_throughput_is_flexgens_prefill_included():
     r = run("int4", batch=8, gen=16)
     assert r["tokens_per_s"] == pytest.approx(8 * 16 / (r["prefill_s"] + r["decode_s"]))
     assert r["total_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
+    # run_flexgen: the prefill yields the first token, then gen_len - 1 timed decode steps (sum(costs[1:]))
+    assert r["decode_tokens_per_s"] == pytest.approx(8 * 15 / r["decode_s"])
+    one_more = run("int4", batch=8, gen=17)
+    assert one_more["decode_s"] - r["decode_s"] == pytest.approx(r["decode_s"] / 15, rel=0.05)
 
 
 def test_the_paper_fetch_interpolates_its_reported_points():

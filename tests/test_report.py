@@ -16,6 +16,7 @@ import pytest
 from analysis import columns, figures, report, speed, store
 from analysis.report import compose, matching, render
 from analysis.report import recommended
+from analysis.report.section import Contrast, across, on_model
 from analysis.report.sections import c1_accuracy, c2_baselines, c6_ablation, gemma3_speed, sim_cost, successors
 from conftest import ROOT
 from experiments.lm_eval_tasks.ruler import ruler_names
@@ -259,9 +260,9 @@ def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
 
 
 def ppl_run(path: Path, digest: str, method: str, params: dict, ppl: float, kv: float = 1.0, threads: int = 1,
-            wall_s: float = 105.0) -> None:
+            wall_s: float = 105.0, model: str = "smollm2-135m") -> None:
     store.append_rows(path, digest, [{
-        "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "ppl",
+        "config_hash": digest, "model": model, "method": method, "task": "ppl",
         "method_params": {"name": method, **params},
         "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": 1},
         "metrics": {"ppl": ppl, "kv_fraction": kv, "windows": 1, "seq_len": 1024}, "config": {},
@@ -426,6 +427,35 @@ def test_c1_leads_with_the_recommended_rows_whatever_order_the_rows_come_in(tmp_
     lines = c1_accuracy.ppl_lines(matching.load(tmp_path))
     assert lines[0].startswith(LEAD) and "at most 12.9% above full's 14" in lines[0], lines[0]
     assert lines[-1].startswith("finding: the paper's OPT defaults (skip_layers 1, alpha 4, partial_ratio 0.2"), lines
+
+
+def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_where_they_disagree(tmp_path):
+    """C1 on two models: each model's lines (the recommended setting's lead names its model, the others are
+    prefixed with it), then the models side by side; the table gets a model column; one figure per model."""
+    for model, full, gen in (("smollm2-135m", 14.0, 15.8), ("gemma3-270m", 10.0, 30.0)):
+        ppl_run(tmp_path, f"{model[:1]}0".ljust(16, "0"), "full", {}, full, model=model)
+        ppl_run(tmp_path, f"{model[:1]}1".ljust(16, "0"), "infinigen", recommended.LLAMA | {"budget": 0.1}, gen,
+                kv=0.17, model=model)
+    rows = matching.load(tmp_path)
+    lines = render.verdict(c1_accuracy.SECTION, rows)
+    assert lines[0].startswith(LEAD) and "at most 12.9% above full's 14" in lines[0], lines
+    gemma = [line for line in lines if line.startswith("at the recommended setting for gemma3-270m")]
+    assert len(gemma) == 1 and "at most 200% above full's 10" in gemma[0], lines
+    assert lines[-1].startswith("across models, InfiniGen's largest WikiText-2 perplexity increase") \
+        and lines[-1].endswith("smollm2-135m 12.9, gemma3-270m 200"), lines[-1]
+    assert [line.split(":")[0] for line in lines if "lm-eval rows" in line] == ["smollm2-135m", "gemma3-270m"]
+    table = render.tables_of(c1_accuracy.SECTION, rows)[0]
+    assert list(table["model"]) == ["smollm2-135m"] * 2 + ["gemma3-270m"] * 2 and table.columns[0] == "model"
+    assert [stem for stem, _ in render.figure_parts(c1_accuracy.SECTION, rows)] == [
+        "c1_accuracy", "c1_accuracy_gemma3-270m"]
+    one = rows[rows["model"] == "smollm2-135m"]  # one model: the section as before, no prefix, no contrast
+    assert render.verdict(c1_accuracy.SECTION, one) == c1_accuracy.c1_verdict(one)
+    held = [("smollm2-135m", [Contrast("gap ratio", 2.0, True)]), ("gemma3-270m", [Contrast("gap ratio", 0.5, False)])]
+    assert across(held) == ["across models, gap ratio: smollm2-135m 2 (holds), gemma3-270m 0.5 (does not hold): "
+                            "the models disagree (holds on smollm2-135m only)"]
+    assert across([(m, [Contrast("x", 1.0, True)]) for m in ("a", "b")])[0].endswith("agree (holds on every one)")
+    assert on_model("python run.py -m model=smollm2-135m task=ppl", "gemma3-270m") == \
+        "python run.py -m task=ppl model=gemma3-270m"
 
 
 def lm_eval_run(path: Path, digest: str, method: str, params: dict, accs: dict, n: int, kv: float) -> None:

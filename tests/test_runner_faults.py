@@ -83,6 +83,8 @@ BAD = [  # (overrides, message); {ckpt} / {gpt2} are checkpoint folders made by 
     (["task=latency", "task.timing=modelled", "task.schedule=paper", "+task.paper.weight_offload=1.0"],
      "task.paper.weight_offload must be null \\(as the artifact ran the model\\) or a share in \\[0, 1\\)"),
     (["task=latency", "task.schedule=paper"], "task.schedule=paper models the paper's runtime: it needs"),
+    (["task=latency", "task.timing=modelled", "task.schedule=paper", "task.gen_len=1", "task.warmup=0"],
+     "task.gen_len must be an integer >= 2 under task.schedule=paper"),
 ]
 
 

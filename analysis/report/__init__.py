@@ -87,8 +87,10 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         "commands that produce its rows. Rows land in `results/` (`run.py`'s `results_dir`); `make export` copies "
         "them into docs/store without per-prompt detail (`python -m analysis.store export --results results --to "
         "docs/store`).",
-        "", "Sizes are what a 2-core CPU affords (SmolLM2-135M, one or two windows, a few lm-eval docs): they test "
-        "each claim's direction, not the paper's magnitudes on its 6.7B-30B models.", "",
+        "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M, one or two windows, a few lm-eval "
+        "docs): they test each claim's direction, not the paper's magnitudes on its 6.7B-30B models. The accuracy "
+        "claims (C1-C6, the speculation input, the successors, needle retrieval) are checked on both models: "
+        "verdict lines name their model, and a last line per claim says where the models agree and disagree.", "",
         "## Stale rows", "",
         *(stale or ["None: every stored run matches what its command composes today."]), "",
         "## Summary", "", *summary, "",

@@ -1,10 +1,11 @@
 """The InfiniGen setting the docs recommend for a model, and how a verdict names the setting of its rows.
 
 docs/methods.md ("Speculation input") and the README recommend, for Llama-family GQA models (SmolLM2, Llama-2/3,
-Mistral, Qwen2.5), skip_layers 2, alpha 8, partial_ratio 0.5 and speculate_from block_input; OPT keeps the paper's
-values (conf/method/infinigen.yaml's defaults). A claim's verdict leads with its rows at the recommended setting, or
-says the store has none and which command adds them; other settings follow, named; the paper's OPT defaults on a
-Llama-family model get a line of their own, worded as a finding. tests/test_report.py holds the docs to these values
+Mistral, Qwen2.5), skip_layers 2, alpha 8, partial_ratio 0.5 and speculate_from block_input; for Gemma 3 the same with
+speculate_from previous; OPT keeps the paper's values (conf/method/infinigen.yaml's defaults). A claim's verdict
+leads with its rows at the recommended setting, or says the store has none and which command adds them; other
+settings follow, named; the paper's OPT defaults on a Llama-family model get a line of their own, worded as a
+finding. tests/test_report.py holds the docs to these values
 and every claim's first line to the recommended setting.
 """
 
@@ -18,7 +19,10 @@ from analysis.report.section import num
 KEYS = ("skip_layers", "alpha", "partial_ratio", "speculate_from")
 PAPER = {"skip_layers": 1, "alpha": 4.0, "partial_ratio": 0.2, "speculate_from": "previous"}  # the OPT defaults
 LLAMA = {"skip_layers": 2, "alpha": 8.0, "partial_ratio": 0.5, "speculate_from": "block_input"}
-RECOMMENDED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "opt": PAPER}  # by config.model.arch.model_type
+# Gemma 3: the Llama family's values but the paper's speculation input, which recalls more of its attention than
+# block_input at both budgets measured (docs/results.md, the speculation input)
+GEMMA3 = LLAMA | {"speculate_from": "previous"}
+RECOMMENDED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma3_text": GEMMA3, "opt": PAPER}  # by model_type
 # rows recorded before an option existed ran with the behaviour its default keeps
 BEFORE = {"skip_layers": 1, "speculate_from": "previous"}
 

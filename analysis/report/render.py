@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from analysis import tables as T
 from analysis.report.compose import ROOT
 from analysis.report.matching import Matched, provenance
-from analysis.report.section import Section, needs
+from analysis.report.section import Section, across, by_model, needs
 
 # every generated block of the README: <!-- report:NAME --> ... <!-- /report:NAME -->
 BLOCK = re.compile(r"(<!-- report:(\w+) -->\n)(.*?)(<!-- /report:\2 -->)", re.DOTALL)
@@ -24,7 +24,40 @@ def save(fig: Figure, path: Path) -> None:
 
 
 def verdict(section: Section, rows: pd.DataFrame) -> list[str]:
-    return (section.verdict(rows) if not rows.empty else []) or needs("rows of this section")
+    """The section's verdict lines; a per-model claim's per model (each line prefixed with the model), then where
+    the models agree and disagree."""
+    if rows.empty:
+        return needs("rows of this section")
+    parts = by_model(section, rows)
+    if parts[0][0] is None:
+        return section.verdict(rows) or needs("rows of this section")
+    # a line that names its model before its first colon (the recommended setting's lead) is left as it is
+    out = [line if model in line.split(":")[0] else f"{model}: {line}"
+           for model, part in parts for line in section.verdict(part)]
+    if section.contrast is not None:
+        out += across([(model, section.contrast(part)) for model, part in parts])
+    return out
+
+
+def tables_of(section: Section, rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """The section's tables; a per-model claim's with a model column, each model's rows one after another."""
+    parts = by_model(section, rows)
+    per = [(model, section.table(part)) for model, part in parts]
+    per = [(model, list(t) if isinstance(t, (list, tuple)) else [t]) for model, t in per]
+    if parts[0][0] is None:
+        return per[0][1]
+    out = []
+    for i in range(max(len(t) for _, t in per)):
+        pieces = [t[i].assign(model=model)[["model", *(c for c in t[i].columns if c != "model")]]
+                  for model, t in per if i < len(t) and not t[i].empty]
+        out.append(pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame())
+    return out
+
+
+def figure_parts(section: Section, rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(file stem, rows) of each figure: one, or a per-model claim's one per model (the first keeps the slug)."""
+    return [(section.slug if i == 0 else f"{section.slug}_{model}", part)
+            for i, (model, part) in enumerate(by_model(section, rows))]
 
 
 def section_text(section: Section, matched: Matched, out: Path, figure_dir: str, figures: bool = True) -> str:
@@ -47,11 +80,11 @@ def section_text(section: Section, matched: Matched, out: Path, figure_dir: str,
     lines.append("")
     if not rows.empty:
         if section.figure is not None:
-            if figures:
-                save(section.figure(rows), out / figure_dir / f"{section.slug}.png")
-            lines += [f"![{section.slug}]({figure_dir}/{section.slug}.png)", ""]
-        tables = section.table(rows)
-        for table in tables if isinstance(tables, (list, tuple)) else [tables]:
+            for stem, part in figure_parts(section, rows):
+                if figures:
+                    save(section.figure(part), out / figure_dir / f"{stem}.png")
+                lines += [f"![{stem}]({figure_dir}/{stem}.png)", ""]
+        for table in tables_of(section, rows):
             if not table.empty:
                 table = table.dropna(axis=1, how="all")
                 lines += [T.markdown(table, right={c for c in table.columns if c not in T.TEXT and c != "setting"

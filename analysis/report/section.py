@@ -40,6 +40,65 @@ class Section:
     order: int = 0  # where the section goes in the report: sections are sorted by it (gaps leave room for new ones)
     # the README block <!-- report:<slug> --> this section writes from its rows, if any
     readme: Callable[[pd.DataFrame], str] | None = None
+    # a claim checked on each real model: verdict, tables and figure per model (columns.MODEL_ORDER), then, from
+    # `contrast` on each model's rows, the quantities the models are compared on (on_model() writes the commands)
+    per_model: bool = False
+    contrast: Callable[[pd.DataFrame], list[Contrast]] | None = None
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """One quantity a claim is compared on across models: its value on one model, and whether the claim's
+    direction holds there (None: the quantity has no direction, only a size)."""
+
+    what: str
+    value: float | None
+    holds: bool | None = None
+
+
+# the real models besides SmolLM2-135M (the commands' own) that the per-model claims run on (issue 42)
+OTHER_MODELS = ("gemma3-270m",)
+
+
+def on_every_model(*commands: str) -> tuple[str, ...]:
+    """The commands as written, then each on every model of OTHER_MODELS."""
+    return (*commands, *(on_model(c, m) for m in OTHER_MODELS for c in commands))
+
+
+def on_model(command: str, model: str) -> str:
+    """A section's `python run.py ...` command run on another model (its model= replaced, or added)."""
+    words = [w for w in command.split(" ") if not w.startswith("model=")]
+    return " ".join(words + [f"model={model}"])
+
+
+def by_model(section: Section, rows: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
+    """The rows a section's verdict, tables and figure are computed on: per model (MODEL_ORDER) for a per-model
+    claim with rows of more than one model, else all of them at once (model None)."""
+    from analysis.columns import MODEL_ORDER
+
+    models = list(dict.fromkeys(rows["model"])) if section.per_model and "model" in rows else []
+    if len(models) < 2:
+        return [(None, rows)]
+    models.sort(key=lambda m: (MODEL_ORDER.index(m) if m in MODEL_ORDER else len(MODEL_ORDER), m))
+    return [(m, rows[rows["model"] == m]) for m in models]
+
+
+def across(parts: list[tuple[str, list[Contrast]]]) -> list[str]:
+    """Each contrast's values side by side, and whether the models agree on the claim's direction."""
+    out = []
+    for i, first in enumerate(parts[0][1]):
+        got = [(m, c[i]) for m, c in parts if i < len(c)]
+        values = ", ".join(f"{m} {num(c.value)}" + ("" if c.holds is None else
+                                                     f" ({'holds' if c.holds else 'does not hold'})") for m, c in got)
+        line = f"across models, {first.what}: {values}"
+        verdicts = {m: c.holds for m, c in got if c.holds is not None}
+        if len(verdicts) == len(got) > 1:
+            held = [m for m, h in verdicts.items() if h]
+            line += (": the models agree (holds on every one)" if len(held) == len(got) else
+                     ": the models agree (holds on neither)" if not held else
+                     f": the models disagree (holds on {', '.join(held)} only)")
+        out.append(line)
+    return out
 
 
 def figure_of(name: str) -> Callable[[pd.DataFrame], Figure]:

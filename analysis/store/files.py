@@ -10,6 +10,8 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
+from infinigen.semantic import LATER_METHOD_OPTIONS
+
 
 class StoreError(RuntimeError):
     pass
@@ -157,6 +159,10 @@ def load(results_dir: str | Path = "results", latest_only: bool = True, strict: 
         df = pd.DataFrame()
     else:
         df = pd.json_normalize(records, max_level=1)
+        for name, neutral in LATER_METHOD_OPTIONS.items():  # at its neutral value a later option is as if absent
+            column = f"method_params.{name}"
+            if column in df and neutral is not None:
+                df[column] = df[column].where(df[column] != neutral)
         if latest_only and "config_hash" in df:
             hashed = df["config_hash"].notna()
             newest = df[hashed].groupby("config_hash")["_file"].transform("max")

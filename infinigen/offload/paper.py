@@ -10,7 +10,8 @@ field with where the artifact does it, so one can be turned off at a time (`task
 A step is layer after layer, each layer's movement then its compute (the artifact synchronises the device after
 every layer), priced on a hardware profile: copies at its pinned (`h2d_gbps`) or pageable (`pageable_gbps`) rate,
 host copies and gathers at `host_gbps`, device work at the roofline, each kernel's launch at `launch_us`.
-Throughput is FlexGen's: batch x generated tokens / (prefill + decode).
+Throughput is FlexGen's: batch x generated tokens / (prefill + decode), the prefill yielding the first token and
+gen_len - 1 decode steps after it.
 """
 
 from __future__ import annotations
@@ -278,13 +279,17 @@ def weight_share_of(sw: Switches, model_name: str) -> float:
 def modelled(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
              fractions: list[float] | str | None, overrides: dict | None = None) -> dict:
     """The latency task's metrics under the artifact's schedule: decode ms per token, prefill, total latency and
-    FlexGen's throughput, with each step's terms (medians over the steps)."""
+    FlexGen's throughput, with each step's terms (medians over the steps). As flex_opt.py run_flexgen times it, the
+    prefill yields the first token and `gen_len - 1` decode steps follow (decode_latency = sum(costs[1:]))."""
+    if gen_len < 2:
+        raise ValueError(f"task.gen_len must be >= 2 under task.schedule=paper (the prefill yields the first "
+                         f"token, then gen_len - 1 decode steps), got {gen_len!r}")
     sw = switches(overrides)
     shape = perf.Shape.of(model_cfg)
     p = perf.plan(method, shape, runtime, prompt_len + gen_len)
     share = weight_share_of(sw, str(model_cfg.get("name", "")))
     steps = [decode_step(method, shape, p, hw, sw, batch, prompt_len, prompt_len + s, fractions, share)
-             for s in range(gen_len)]
+             for s in range(gen_len - 1)]
     prefill = prefill_seconds(method, shape, p, hw, sw, batch, prompt_len, share)
     decode = sum(s["step_s"] for s in steps)
     mid = sorted(steps, key=lambda s: s["step_s"])[len(steps) // 2]
@@ -293,7 +298,7 @@ def modelled(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, pro
         "decode_ms_median": mid["step_s"] * 1e3, "modelled_decode_ms_per_token": mid["step_s"] * 1e3,
         "prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode,
         "tokens_per_s": batch * gen_len / (prefill + decode),  # FlexGen's throughput: prefill included
-        "decode_tokens_per_s": batch * gen_len / decode,
+        "decode_tokens_per_s": batch * (gen_len - 1) / decode,  # run_flexgen's decode_throughput
         **{f"{k[:-2]}_ms": v * 1e3 for k, v in mid.items() if k != "step_s"},
         "schemes": schemes(p, sw),
         **block_split(method, model_cfg, hw, runtime, batch, prompt_len, fractions, overrides),

@@ -8,12 +8,13 @@ from analysis import columns as C
 from analysis.figures.fig13_skew import fig13_skew
 from analysis.report import recommended as R
 from analysis.report.ppl import PPL, full_ppl, ppl_and_accuracy, ppl_rows
-from analysis.report.section import Section, figure_of, needs, num
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model
 
 SKEW_PPL = f"{PPL} +point=infinigen_a99_b0.2_p0.1,infinigen_a99_b0.2_p0.1_noskew"
 
 
 RECOMMENDED = f"{PPL} +point=speculate_block_input method.budget=0.2 method.skew=true,false"
+GEMMA3 = on_model(RECOMMENDED.replace("speculate_block_input", "speculate_previous"), "gemma3-270m")  # its setting
 
 
 def twin_line(pair: pd.DataFrame, full: float | None) -> str:
@@ -22,6 +23,24 @@ def twin_line(pair: pd.DataFrame, full: float | None) -> str:
     return (f"WikiText-2 perplexity with skewing {num(on['ppl'], 4)}, without {num(off['ppl'], 4)}{gap}; "
             f"speculation recall {num(on['recall'])} vs {num(off['recall'])} at kv_fraction "
             f"{num(100 * on['kv'])}% vs {num(100 * off['kv'])}%")
+
+
+def skew_pairs(gen: pd.DataFrame) -> list[pd.DataFrame]:
+    """InfiniGen ppl rows of one setting and budget with skew on and off."""
+    key = R.setting(gen).astype(str).agg(" ".join, axis=1) + " " + gen["method_params.budget"].astype(str)
+    return [part for _, part in gen.groupby(key, sort=True) if part["method_params.skew"].map(bool).nunique() == 2]
+
+
+def c4_contrast(rows: pd.DataFrame) -> list[Contrast]:
+    """Perplexity without skewing minus with it at the recommended setting (holds: > 0)."""
+    data = ppl_rows(rows)
+    gen = data[data["method"] == "infinigen"] if not data.empty else data
+    pair = [p for p in (skew_pairs(gen) if not gen.empty else []) if R.is_recommended(p).all()]
+    if not pair:
+        return [Contrast("perplexity without skewing minus with it (recommended setting)", None)]
+    on, off = (pair[0][pair[0]["method_params.skew"].map(bool) == s]["ppl"].iloc[0] for s in (True, False))
+    return [Contrast(f"perplexity without skewing minus with it (recommended setting, budget "
+                     f"{num(pair[0]['method_params.budget'].iloc[0])})", off - on, off > on)]
 
 
 def c4_verdict(rows: pd.DataFrame) -> list[str]:
@@ -33,8 +52,7 @@ def c4_verdict(rows: pd.DataFrame) -> list[str]:
         out += needs("InfiniGen ppl rows with skew on and off")
     else:
         full = full_ppl(data)
-        key = R.setting(gen).astype(str).agg(" ".join, axis=1) + " " + gen["method_params.budget"].astype(str)
-        pairs = [part for _, part in gen.groupby(key, sort=True) if part["method_params.skew"].map(bool).nunique() == 2]
+        pairs = skew_pairs(gen)
         recommended = [p for p in pairs if R.is_recommended(p).all()]
         out += ([f"{R.lead(gen)}, budget {num(p['method_params.budget'].iloc[0])}: {twin_line(p, full)}"
                  for p in recommended] or [R.missing(gen, RECOMMENDED)])
@@ -56,6 +74,6 @@ SECTION = Section(
     "c4_skewing", "C4. Skewing makes the partial weights speculate better",
     "Skewing the query/key weights concentrates the attention scores in few columns, so the partial "
     "weights speculate better (paper Fig. 13).",
-    (SKEW_PPL, "python run.py -m +experiment=fig13_skew_smoke", RECOMMENDED),
+    (*on_every_model(SKEW_PPL, "python run.py -m +experiment=fig13_skew_smoke", RECOMMENDED), GEMMA3),
     ppl_and_accuracy, c4_verdict, figure_of("fig13_skew"),
-    order=40)
+    order=40, per_model=True, contrast=c4_contrast)

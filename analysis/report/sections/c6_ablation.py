@@ -8,7 +8,7 @@ from analysis import columns as C
 from analysis.figures.fig17 import ablation_rows
 from analysis.report import recommended as R
 from analysis.report.ppl import ppl_table
-from analysis.report.section import Section, figure_of, needs, num
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model
 
 
 ALPHA = "python run.py -m +experiment=fig17_alpha_smoke method.alpha=1.0,3.0,5.0,7.0,9.0"
@@ -16,6 +16,9 @@ PARTIAL = "python run.py -m +experiment=fig17_partial_smoke method.partial_ratio
 # the same sweeps around the recommended setting: every other InfiniGen hyperparameter at its recommended value
 RECOMMENDED_ALPHA = f"{ALPHA} method.skip_layers=2 method.partial_ratio=0.5 method.speculate_from=block_input"
 RECOMMENDED_PARTIAL = f"{PARTIAL} method.skip_layers=2 method.alpha=8.0 method.speculate_from=block_input"
+# Gemma 3's: speculate_from previous (docs/methods.md)
+GEMMA3 = tuple(on_model(c.replace("=block_input", "=previous"), "gemma3-270m")
+               for c in (RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL))
 
 
 def around_recommended(part: pd.DataFrame, along: str) -> bool:
@@ -25,18 +28,41 @@ def around_recommended(part: pd.DataFrame, along: str) -> bool:
     return bool(R.matches(part, wanted).all())
 
 
+def plateau_mask(part: pd.DataFrame, tolerance: float) -> pd.Series:
+    """Which points of a sweep (sorted along it) start a run to its end within `tolerance` of its best ppl."""
+    return (part["ppl"] <= part["ppl"].min() * (1 + tolerance)).astype(int)[::-1].cummin()[::-1] == 1
+
+
+def sweeps(rows: pd.DataFrame, along: str) -> list[tuple[str, pd.DataFrame]]:
+    """Each swept setting's curve and its rows sorted along the sweep, those around the recommended setting first."""
+    data = ablation_rows(rows, "ppl", along)
+    return [(curve, part.assign(ppl=C.metric(part, "ppl"), kv=C.metric(part, "kv_fraction")).sort_values(along))
+            for curve, part in sorted(data.groupby("curve"), key=lambda g: (not around_recommended(g[1], along), g[0]))]
+
+
+def c6_contrast(rows: pd.DataFrame, tolerance: float = 0.02) -> list[Contrast]:
+    """Where the perplexity plateau of each sweep around the recommended setting starts (holds: one starts before
+    the largest value swept)."""
+    out = []
+    for along in ("alpha", "partial_ratio"):
+        part = next((p for _, p in sweeps(rows, along) if around_recommended(p, along)), None)
+        within = plateau_mask(part, tolerance) if part is not None else None
+        start = part[within].iloc[0][along] if within is not None and within.any() else None
+        out.append(Contrast(f"the {along} from which perplexity stays within {num(100 * tolerance)}% of the sweep's "
+                            "best (recommended setting otherwise)", start,
+                            None if part is None or len(part) < 3 else start is not None and start < part[along].max()))
+    return out
+
+
 def plateau(rows: pd.DataFrame, along: str, tolerance: float = 0.02) -> list[str]:
     """Per swept setting (those around the recommended setting first): the smallest value of `along` from which
     every perplexity is within `tolerance` of the sweep's best, and the kv_fraction there and at the largest value."""
-    data = ablation_rows(rows, "ppl", along)
     out = []
-    groups = sorted(data.groupby("curve"), key=lambda g: (not around_recommended(g[1], along), g[0]))
-    for curve, part in groups:
+    for curve, part in sweeps(rows, along):
         curve = (f"{curve}, the recommended setting otherwise" if around_recommended(part, along)
                  else f"{curve}; {R.describe(R.setting(part).iloc[0], skip=(along,))}")
-        part = part.assign(ppl=C.metric(part, "ppl"), kv=C.metric(part, "kv_fraction")).sort_values(along)
         best = part["ppl"].min()
-        within = (part["ppl"] <= best * (1 + tolerance)).astype(int)[::-1].cummin()[::-1] == 1  # from its start on
+        within = plateau_mask(part, tolerance)
         last = part.iloc[-1]
         if not within.any():
             out.append(f"{along} ({curve}): no plateau: at {along} = {num(last[along])} perplexity is "
@@ -71,6 +97,6 @@ SECTION = Section(
     "c6_ablation", "C6. Alpha and the partial weight ratio plateau",
     "Accuracy saturates beyond a moderate alpha (while the fetched share keeps growing) and beyond a small "
     "partial weight ratio (paper Fig. 17).",
-    (ALPHA, PARTIAL, RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL),
+    (*on_every_model(ALPHA, PARTIAL, RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL), *GEMMA3),
     ppl_table, c6_verdict, figure_of("fig17_ablation"),
-    order=60)
+    order=60, per_model=True, contrast=c6_contrast)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.figures.needle import needle_heatmap
-from analysis.report.section import Section, figure_of, needs, num
+from analysis.report.section import Section, figure_of, needs, num, on_every_model
 
 
 def needle_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -35,7 +35,7 @@ SECTION = Section(
     "long_context", "Beyond the paper: long context and needle retrieval",
     "Pass-key retrieval through the method's decode-mode cache: query-aware selection keeps a needle that "
     "eviction (StreamingLLM's window) has dropped. Perplexity at long context: docs/long_context.md.",
-    ("python run.py -m +experiment=needle_smollm2_smoke",),
+    on_every_model("python run.py -m +experiment=needle_smollm2_smoke"),
     needle_table,
     long_verdict, figure_of("needle_heatmap"),
-    order=130)
+    order=130, per_model=True)

@@ -15,7 +15,8 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
         return needs("ppl rows of full and the compared methods")
     out = []
     plain = data[C.metric(data, "dense_rows").fillna(0) == 0]
-    for x, gap, ref_gap, row, _ in matched_gaps(plain, "quest", "oracle", x="kv"):
+    quest = matched_gaps(plain, "quest", "oracle", x="kv") if full_ppl(plain) is not None else []
+    for x, gap, ref_gap, row, _ in quest:
         out.append(f"Quest at budget {num(row['method_params.budget'])} (kv_fraction {num(100 * x)}%): gap to "
                    f"full {signed(gap)}, the oracle's there {signed(ref_gap)}: {num(gap / ref_gap)}x the oracle's")
     for bits in (2, 4):

@@ -4,12 +4,49 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis import columns as C
 from analysis.report.ppl import COMPARED, full_ppl, matched_gaps, ppl_rows, ppl_table
-from analysis.report.section import Section, figure_of, needs, num, signed
+from analysis.report.section import Section, figure_of, needs, num, on_every_model, on_model, signed
+
+SOURCES = ("python run.py -m +experiment=fig13_speculation_smoke "
+           "+point=speculate_previous,speculate_block_input,oracle_skip2")
+# QK-norm's alternative (issue 42): the speculated query scaled by the norm's weight alone, no RMS (one command per
+# point: Hydra's sweeper would apply method.qk_norm before a swept +point selects the InfiniGen method)
+QK_WEIGHT = tuple(on_model(f"python run.py -m +experiment=fig13_speculation_smoke +point={point} method.qk_norm=weight",
+                           "gemma3-270m") for point in ("speculate_previous", "speculate_block_input"))
+
+
+def qk_norm_lines(data: pd.DataFrame) -> list[str]:
+    """Per speculation input and budget, InfiniGen's speculated query through QK-norm with the true RMS (`rms`, the
+    default) and with the norm's weight alone (`weight`): perplexity gap to full and recall, and the oracle nearest
+    to the default's kv_fraction."""
+    gen = data[data["method"] == "infinigen"]
+    gen = gen.assign(qk=C.column(gen, "method_params.qk_norm").fillna("rms"), recall=C.metric(gen, "recall"),
+                     budget=pd.to_numeric(gen["method_params.budget"]), source=gen["method_params.speculate_from"])
+    full, oracle = full_ppl(data), data[data["method"] == "oracle"].assign(recall=lambda d: C.metric(d, "recall"))
+    if full is None:
+        return []
+    out = []
+    for (source, budget), part in gen.groupby(["source", "budget"]):
+        if part["qk"].nunique() < 2:
+            continue
+        line = f"QK-norm, `{source}` at budget {num(budget)}: " + ", ".join(
+            f"`qk_norm={r.qk}` gap to full {signed(r.ppl - full)}, recall {num(r.recall)} (kv_fraction "
+            f"{num(100 * r.kv)}%)" for r in part.sort_values("qk").itertuples())
+        default = part.loc[part["qk"] == "rms", "kv"]  # the oracle beside the default's kv_fraction
+        near = oracle.loc[(oracle["kv"] - default.iloc[0]).abs().idxmin()] if not (oracle.empty or default.empty) \
+            else None
+        if near is not None:
+            line += (f"; the oracle at kv_fraction {num(100 * near['kv'])}%: gap {signed(near['ppl'] - full)}, recall "
+                     f"{num(near['recall'])}")
+        out.append(line)
+    return out
 
 
 def speculation_verdict(rows: pd.DataFrame) -> list[str]:
     data = ppl_rows(rows)
+    qk = data[C.column(data, "method_params.qk_norm").fillna("rms") == "weight"] if not data.empty else data
+    data, qk_lines = data.drop(qk.index), qk_norm_lines(data) if not qk.empty else []
     if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
         return needs("ppl rows of full and InfiniGen's speculate_from options")
     out = []
@@ -32,14 +69,17 @@ def speculation_verdict(rows: pd.DataFrame) -> list[str]:
     elif outside:
         out.append(f"{outside} InfiniGen setting(s) lie outside the oracle's measured kv_fraction range (no matched "
                    "comparison)")
-    return out or needs("InfiniGen rows of two speculate_from options at one budget")
+    return (out + qk_lines) or needs("InfiniGen rows of two speculate_from options at one budget")
 
 
 SECTION = Section(
     "speculation", "Beyond the paper: the speculation input",
     "Speculating layer i from layer i's own input norm applied to the residual stream the paper reads "
     "(`block_input`) fetches better tokens than the paper's `previous`, at the same prefetch window.",
-    (COMPARED[0], "python run.py -m +experiment=fig13_speculation_smoke "
-                  "+point=speculate_previous,speculate_block_input,oracle_skip2"),
+    (*on_every_model(COMPARED[0], SOURCES), *QK_WEIGHT),
     ppl_table, speculation_verdict, figure_of("fig13_speculation"),
-    order=100)
+    note="On Gemma-3 (QK-norm) the speculated query goes through the layer's per-head RMS norm with the true RMS "
+         "of the whole speculated head vector (`qk_norm=rms`, the default); the alternative that skips the RMS "
+         "and applies the norm's weight alone (`qk_norm=weight`) is shown beside it (infinigen/infinigen_method/"
+         "infinigen.py).",
+    order=100, per_model=True)
