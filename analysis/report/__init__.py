@@ -6,6 +6,8 @@ One section per claim of the InfiniGen paper (C1-C7) and per finding beyond it, 
 analysis/report/sections/: its claim in words, the commands whose rows it shows (`python run.py ...`, expanded
 exactly as Hydra's sweeper would), a table, a figure and a verdict computed from its rows, declared as
 `SECTION = Section(...)`. A new section is a new module there; `discover()` finds it and places it by its `order`.
+A claim checked on every real model lists its commands on each (`on_every_model`) and sets `per_model=True`: its
+verdict, tables and figure come per model, then its `contrast` quantities side by side, agreeing or not.
 Every number in the report comes from the store; a config missing from the store is named with the command that
 fills it. A stored row is *stale* when its recorded config differs from what its command composes today (a
 method's default changed, a preset moved): it is listed with the difference and left out of every table, figure

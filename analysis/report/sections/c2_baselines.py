@@ -6,12 +6,11 @@ import math
 
 import pandas as pd
 
-from analysis import columns as C
 from analysis.report import accuracy as A
 from analysis.report import recommended as R
 from analysis.report.ppl import COMPARED, full_ppl, matched_gaps, ppl_rows, ppl_table, ppl_vs_kv
 from analysis.report.section import Contrast, Section, needs, num, on_every_model, signed
-from analysis.report.sections.c1_accuracy import FIG11, RECOMMENDED_PPL, SMOKE
+from analysis.report.sections.c1_accuracy import FIG11, GEMMA3_FIG11, RECOMMENDED_PPL, SMOKE, fig11_missing
 
 
 def ppl_setting_lines(data: pd.DataFrame, gen: pd.DataFrame) -> list[str]:
@@ -94,7 +93,7 @@ def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
     if gen.empty or not data["method"].isin(["h2o", "quant"]).any():
         return needs("lm-eval rows of InfiniGen, H2O and quant")
     recommended = gen[gen["recommended"].astype(bool)]
-    out = [] if not recommended.empty else [f"lm-eval {R.missing(C.of_task(rows, 'lm_eval'), FIG11)}"]
+    out = [] if not recommended.empty else [fig11_missing(rows)]
     pool = recommended if not recommended.empty else gen
     for (method, params, limit), base in data[data["method"].isin(["h2o", "quant"])].groupby(
             ["method", "params", "limit"], sort=False):
@@ -141,11 +140,11 @@ SECTION = Section(
     "it (SmolLM2: skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from block_input; Gemma-3: the same with "
     "previous) first, then at the same with the other speculation input, then at the paper's OPT defaults "
     "(conf/method/infinigen.yaml: skip_layers 1, alpha 4, partial_ratio 0.2).",
-    (FIG11, *on_every_model(*COMPARED, RECOMMENDED_PPL, SMOKE)), lambda rows: [ppl_table(rows), A.table(rows)],
+    (FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, RECOMMENDED_PPL, SMOKE)), lambda rows: [ppl_table(rows), A.table(rows)],
     c2_verdict,
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),
     note="An lm-eval difference is called outside its 95% interval when it exceeds 1.96 x sqrt(sum of both "
          "stderrs squared) / tasks: the two methods' accuracies treated as independent, though they score the same "
-         "docs (the paired interval is narrower). Gemma-3-270M runs the perplexity comparison and the lm-eval "
-         "smoke (C1's note says why not Fig. 11's 100 docs per task).",
+         "docs (the paired interval is narrower). Gemma-3-270M runs the perplexity comparison, the lm-eval "
+         "smoke and Fig. 11's points at 100 docs per task (C1's note).",
     order=20, per_model=True, contrast=c2_contrast)
