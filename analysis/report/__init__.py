@@ -75,7 +75,7 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         else:
             matched = match(fresh, section.commands)
         verdicts[section.slug] = verdict(section, matched.rows)
-        body.append(section_text(section, matched, out, "report", figures))
+        body.append(section_text(section, matched, verdicts[section.slug], out, "report", figures))
         if figures and (matched.rows.empty or section.figure is None):  # no figure now: none left from before
             (out / "report" / f"{section.slug}.png").unlink(missing_ok=True)
         if section.readme is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
-from analysis.report.section import num
+from analysis.report.section import num, on_model
 
 KEYS = ("skip_layers", "alpha", "partial_ratio", "speculate_from")
 PAPER = {"skip_layers": 1, "alpha": 4.0, "partial_ratio": 0.2, "speculate_from": "previous"}  # the OPT defaults
@@ -58,6 +58,13 @@ def matches(rows: pd.DataFrame, wanted: dict | pd.Series) -> pd.Series:
         else:
             same &= pd.to_numeric(got[key], errors="coerce") == pd.to_numeric(wanted[key], errors="coerce")
     return same
+
+
+def on_gemma3(command: str) -> str:
+    """A command at SmolLM2's recommended setting (speculating from block_input, by point or option) as the same
+    command at Gemma 3's: on gemma3-270m, speculating from previous."""
+    command = command.replace("+point=speculate_block_input", "+point=speculate_previous")
+    return on_model(command.replace("speculate_from=block_input", "speculate_from=previous"), "gemma3-270m")
 
 
 def is_recommended(rows: pd.DataFrame) -> pd.Series:

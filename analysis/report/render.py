@@ -60,10 +60,10 @@ def figure_parts(section: Section, rows: pd.DataFrame) -> list[tuple[str, pd.Dat
             for i, (model, part) in enumerate(by_model(section, rows))]
 
 
-def section_text(section: Section, matched: Matched, out: Path, figure_dir: str, figures: bool = True) -> str:
+def section_text(section: Section, matched: Matched, verdicts: list[str], out: Path, figure_dir: str,
+                 figures: bool = True) -> str:
     rows = matched.rows
     lines = [f"## {section.title}", "", f"*Claim.* {section.claim}", ""]
-    verdicts = verdict(section, rows)
     lines += [f"**Verdict (computed from the store):** {verdicts[0]}" if len(verdicts) == 1
               else "**Verdict (computed from the store):**", ""]
     if len(verdicts) > 1:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 from matplotlib.figure import Figure
 
+from analysis.columns import MODEL_ORDER
 from analysis.figures import FIGURES
 
 
@@ -74,8 +75,6 @@ def on_model(command: str, model: str) -> str:
 def by_model(section: Section, rows: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
     """The rows a section's verdict, tables and figure are computed on: per model (MODEL_ORDER) for a per-model
     claim with rows of more than one model, else all of them at once (model None)."""
-    from analysis.columns import MODEL_ORDER
-
     models = list(dict.fromkeys(rows["model"])) if section.per_model and "model" in rows else []
     if len(models) < 2:
         return [(None, rows)]

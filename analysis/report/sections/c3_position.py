@@ -6,7 +6,7 @@ import pandas as pd
 
 from analysis.figures.fig12 import fig12_ppl_position
 from analysis.report import recommended as R
-from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model
 
 
 def nll_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -19,8 +19,7 @@ def nll_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 RECOMMENDED = "python run.py -m +experiment=fig12_ppl_position_smoke +point=speculate_block_input method.budget=0.2"
-# Gemma 3's recommended setting speculates from `previous` (docs/methods.md)
-GEMMA3 = on_model(RECOMMENDED.replace("speculate_block_input", "speculate_previous"), "gemma3-270m")
+GEMMA3 = R.on_gemma3(RECOMMENDED)
 
 
 def curve_gaps(rows: pd.DataFrame) -> tuple[dict, dict, list[float]] | None:

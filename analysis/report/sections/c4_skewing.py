@@ -8,13 +8,13 @@ from analysis import columns as C
 from analysis.figures.fig13_skew import fig13_skew
 from analysis.report import recommended as R
 from analysis.report.ppl import PPL, full_ppl, ppl_and_accuracy, ppl_rows
-from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model
 
 SKEW_PPL = f"{PPL} +point=infinigen_a99_b0.2_p0.1,infinigen_a99_b0.2_p0.1_noskew"
 
 
 RECOMMENDED = f"{PPL} +point=speculate_block_input method.budget=0.2 method.skew=true,false"
-GEMMA3 = on_model(RECOMMENDED.replace("speculate_block_input", "speculate_previous"), "gemma3-270m")  # its setting
+GEMMA3 = R.on_gemma3(RECOMMENDED)
 
 
 def twin_line(pair: pd.DataFrame, full: float | None) -> str:

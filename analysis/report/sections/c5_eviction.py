@@ -8,7 +8,7 @@ from analysis import columns as C
 from analysis import tables as T
 from analysis.figures.table2 import eviction_rows
 from analysis.report import recommended as R
-from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model, signed
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, signed
 
 
 def eviction_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -19,7 +19,7 @@ def eviction_table(rows: pd.DataFrame) -> pd.DataFrame:
 PRESET = "python run.py -m +experiment=table2_eviction_smoke task.seq_len=512"
 RECOMMENDED = (f"{PRESET} method.skip_layers=2 method.alpha=8.0 method.partial_ratio=0.5 "
                "method.speculate_from=block_input")
-GEMMA3 = on_model(RECOMMENDED.replace("=block_input", "=previous"), "gemma3-270m")  # its recommended setting
+GEMMA3 = R.on_gemma3(RECOMMENDED)
 
 
 def pool_deltas(part: pd.DataFrame) -> tuple[float, list[tuple[float, str]]]:

@@ -8,7 +8,7 @@ from analysis import columns as C
 from analysis.figures.fig17 import ablation_rows
 from analysis.report import recommended as R
 from analysis.report.ppl import ppl_table
-from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model, on_model
+from analysis.report.section import Contrast, Section, figure_of, needs, num, on_every_model
 
 
 ALPHA = "python run.py -m +experiment=fig17_alpha_smoke method.alpha=1.0,3.0,5.0,7.0,9.0"
@@ -16,9 +16,7 @@ PARTIAL = "python run.py -m +experiment=fig17_partial_smoke method.partial_ratio
 # the same sweeps around the recommended setting: every other InfiniGen hyperparameter at its recommended value
 RECOMMENDED_ALPHA = f"{ALPHA} method.skip_layers=2 method.partial_ratio=0.5 method.speculate_from=block_input"
 RECOMMENDED_PARTIAL = f"{PARTIAL} method.skip_layers=2 method.alpha=8.0 method.speculate_from=block_input"
-# Gemma 3's: speculate_from previous (docs/methods.md)
-GEMMA3 = tuple(on_model(c.replace("=block_input", "=previous"), "gemma3-270m")
-               for c in (RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL))
+GEMMA3 = (R.on_gemma3(RECOMMENDED_ALPHA), R.on_gemma3(RECOMMENDED_PARTIAL))
 
 
 def around_recommended(part: pd.DataFrame, along: str) -> bool:
