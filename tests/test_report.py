@@ -458,12 +458,13 @@ def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_
         "python run.py -m task=ppl model=gemma3-270m"
 
 
-def lm_eval_run(path: Path, digest: str, method: str, params: dict, accs: dict, n: int, kv: float) -> None:
+def lm_eval_run(path: Path, digest: str, method: str, params: dict, accs: dict, n: int, kv: float,
+                limit: int = 500) -> None:
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "lm_eval",
-        "method_params": {"name": method, **params}, "task_params": {"name": "lm_eval", "limit": 500},
+        "method_params": {"name": method, **params}, "task_params": {"name": "lm_eval", "limit": limit},
         "metrics": {"task": task, "acc": acc, "acc_stderr": (acc * (1 - acc) / (n - 1)) ** 0.5, "n": n,
-                    "limit": 500, "num_fewshot": 5, "protocol": "paper", "kv_fraction": kv},
+                    "limit": limit, "num_fewshot": 5, "protocol": "paper", "kv_fraction": kv},
         "config": {}, "meta": {"git_commit": "a" * 40 if method == "full" else "b" * 40 + "-dirty"}}
         for task, acc in accs.items()])
 
@@ -482,12 +483,44 @@ def test_accuracy_intervals_say_which_differences_are_outside_them(tmp_path):
     assert table.loc[("infinigen", "piqa"), "± 95%"] == pytest.approx(1.96 * (0.55 * 0.45 / 499) ** 0.5)
     assert table.loc[("infinigen", "piqa"), "outside"] == "yes" and table.loc[("infinigen", "copa"), "outside"] == "no"
     line = c1_accuracy.lm_eval_lines(rows)[0]
-    assert line.startswith("lm-eval at the recommended setting, budget 0.07 (the first 500 docs of each task)"), line
+    assert line.startswith("lm-eval at the recommended setting, budget 0.07 (up to the first 500 docs of each task)"), \
+        line
     assert "n = 500 docs per task" in line and "outside the interval: piqa;" in line
     assert "mean over the 2 tasks -5.5 ±" in line
     versus = c2_baselines.lm_eval_lines(rows)
     assert len(versus) == 1 and "h2o (heavy=0.0625, recent=0.0625)" in versus[0], versus
     assert "accuracy InfiniGen minus h2o +5.0 ±" in versus[0] and "over 2 task(s)" in versus[0]
+
+
+def test_lines_over_more_docs_per_task_come_first(tmp_path):
+    """The same points at 100 and 500 docs per task, the 100-doc runs first in the store: C1's and C2's lines over
+    500 docs come first, each compared with full's and H2O's rows at its own size."""
+    for limit in (100, 500):
+        tag = str(limit)[0]
+        lm_eval_run(tmp_path, tag + "0" * 15, "full", {}, {"copa": 0.70}, limit, 1.0, limit=limit)
+        lm_eval_run(tmp_path, tag + "1" * 15, "infinigen", recommended.LLAMA | {"budget": 0.07}, {"copa": 0.69},
+                    limit, 0.15, limit=limit)
+        lm_eval_run(tmp_path, tag + "2" * 15, "h2o", {"heavy": 0.0625, "recent": 0.0625}, {"copa": 0.60}, limit,
+                    0.2, limit=limit)
+    rows = matching.load(tmp_path)
+    c1 = c1_accuracy.lm_eval_lines(rows)
+    for lines in (c1[:2], c2_baselines.lm_eval_lines(rows)):
+        assert len(lines) == 2, lines
+        assert "(up to the first 500 docs of each task" in lines[0] and "n = 500 " in lines[0], lines
+        assert "(up to the first 100 docs of each task" in lines[1] and "n = 100 " in lines[1], lines
+    assert [line.split(":")[0] for line in c1[2:]] == [
+        "lm-eval, full attention (up to the first 500 docs of each task)",
+        "lm-eval, full attention (up to the first 100 docs of each task)"], c1
+
+
+def test_c1_says_on_which_tasks_full_attention_is_above_chance(tmp_path):
+    """OpenBookQA has four choices: 22% over 500 docs is not above its 25% (interval +-3.6 points), nor is 17%
+    (below it); COPA's 70% is above 50%; the line names each with its chance level."""
+    lm_eval_run(tmp_path, "0" * 16, "full", {}, {"copa": 0.70, "openbookqa": 0.22, "piqa": 0.17}, 500, 1.0)
+    line = c1_accuracy.lm_eval_lines(matching.load(tmp_path))[-1]
+    assert line == ("lm-eval, full attention (up to the first 500 docs of each task): above chance (95% interval) on "
+                    "copa 70.0% (chance 50%); not on openbookqa 22.0% (chance 25%), piqa 17.0% (chance 50%); there "
+                    "the tasks cannot tell a method's losses from guessing"), line
 
 
 def test_each_section_says_which_commits_produced_its_rows(tmp_path):

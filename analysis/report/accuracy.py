@@ -20,6 +20,8 @@ from analysis.report import recommended as R
 from analysis.report.section import num
 
 Z95 = 1.96
+# a task's accuracy by guessing: one over its answer choices
+CHANCE = {"copa": 1 / 2, "openbookqa": 1 / 4, "piqa": 1 / 2, "rte": 1 / 2, "winogrande": 1 / 2}
 SAME = ["model", "task", "shots", "protocol", "limit"]  # what full's row must share to be the reference
 
 
@@ -88,8 +90,14 @@ def docs_range(n: pd.Series) -> str:
     return f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
 
 
+def most_docs_first(data: pd.DataFrame) -> pd.DataFrame:
+    """`data` with its rows over every doc first, then by docs per task, most first (stable within a size)."""
+    docs_per_task = data["limit"].map(lambda v: math.inf if v == "all" else float(v))
+    return data.loc[docs_per_task.sort_values(ascending=False, kind="stable").index]
+
+
 def docs(limit: str) -> str:
-    return "every doc of each task" if limit == "all" else f"the first {limit} docs of each task"
+    return "every doc of each task" if limit == "all" else f"up to the first {limit} docs of each task"
 
 
 def points(x: float) -> str:
@@ -103,6 +111,22 @@ def significance(diff: float, ci: float) -> str:
     if pd.isna(ci):
         return "no stderr recorded: no interval"
     return "outside the 95% interval" if abs(diff) > ci else "inside the 95% interval (not significant)"
+
+
+def chance_lines(data: pd.DataFrame) -> list[str]:
+    """Per docs-per-task size, the tasks on which full attention's accuracy is above chance (its 95% interval
+    above one over the choices) and those on which it is not (at chance, or below it, as SmolLM2 on OpenBookQA):
+    there a method's difference from full's says little about what it keeps of the context."""
+    full = most_docs_first(data[(data["method"] == "full") & data["task"].isin(CHANCE)])
+    out = []
+    for limit, part in full.groupby("limit", sort=False):
+        clear = part["acc"] - part["ci"] > part["task"].map(CHANCE)
+        named = [f"{r.task} {100 * r.acc:.1f}% (chance {100 * CHANCE[r.task]:.0f}%)" for r in part.itertuples()]
+        out.append(f"lm-eval, full attention ({docs(limit)}): above chance (95% interval) on "
+                   f"{', '.join(n for n, c in zip(named, clear) if c) or 'no task'}; not on "
+                   f"{', '.join(n for n, c in zip(named, clear) if not c) or 'any task'}"
+                   + ("; there the tasks cannot tell a method's losses from guessing" if not clear.all() else ""))
+    return out
 
 
 def setting_line(part: pd.DataFrame, name: str) -> str:

@@ -10,7 +10,7 @@ from analysis.report import accuracy as A
 from analysis.report import recommended as R
 from analysis.report.ppl import COMPARED, full_ppl, matched_gaps, ppl_rows, ppl_table, ppl_vs_kv
 from analysis.report.section import Contrast, Section, needs, num, on_every_model, signed
-from analysis.report.sections.c1_accuracy import FIG11, GEMMA3_FIG11, RECOMMENDED_PPL, SMOKE, fig11_missing
+from analysis.report.sections.c1_accuracy import FIG11, FIG11_FULL, GEMMA3_FIG11, RECOMMENDED_PPL, SMOKE, fig11_missing
 
 
 def ppl_setting_lines(data: pd.DataFrame, gen: pd.DataFrame) -> list[str]:
@@ -95,7 +95,7 @@ def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
     recommended = gen[gen["recommended"].astype(bool)]
     out = [] if not recommended.empty else [fig11_missing(rows)]
     pool = recommended if not recommended.empty else gen
-    for (method, params, limit), base in data[data["method"].isin(["h2o", "quant"])].groupby(
+    for (method, params, limit), base in A.most_docs_first(data[data["method"].isin(["h2o", "quant"])]).groupby(
             ["method", "params", "limit"], sort=False):
         near = pool[pool["limit"] == limit]
         if near.empty:
@@ -140,7 +140,8 @@ SECTION = Section(
     "it (SmolLM2: skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from block_input; Gemma-3: the same with "
     "previous) first, then at the same with the other speculation input, then at the paper's OPT defaults "
     "(conf/method/infinigen.yaml: skip_layers 1, alpha 4, partial_ratio 0.2).",
-    (FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, RECOMMENDED_PPL, SMOKE)), lambda rows: [ppl_table(rows), A.table(rows)],
+    (FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, RECOMMENDED_PPL, SMOKE)),
+    lambda rows: [ppl_table(rows), A.table(rows)],
     c2_verdict,
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),
     note="An lm-eval difference is called outside its 95% interval when it exceeds 1.96 x sqrt(sum of both "
