@@ -12,7 +12,7 @@ from analysis.report.section import Contrast, Section, figure_of, needs, num, on
 
 # InfiniGen at the recommended setting on the perplexity window (the speculation preset's block_input rows)
 RECOMMENDED_PPL = "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_block_input"
-# the five tasks at real sizes: the preset scores up to 500 docs per task (COPA, OpenBookQA and RTE whole; 35-50
+# the five tasks at real sizes: the preset scores up to 500 docs per task (COPA, OpenBookQA and RTE whole; 33-45
 # minutes per point on one CPU core, minutes on a GPU); at 100 docs per task, the size both models have rows at
 FIG11_FULL = "python run.py -m +experiment=fig11_accuracy_smollm2"
 FIG11 = f"{FIG11_FULL} task.limit=100"
@@ -136,7 +136,7 @@ SECTION = Section(
          "which treats the two as independent (both score the same docs, so the paired interval is narrower: "
          "outside holds for it too). The smoke rows score the first 5 COPA docs (one doc = 20 points): a check "
          "of the path. `python run.py -m +experiment=fig11_accuracy_smollm2` scores COPA, OpenBookQA and RTE whole "
-         "and the first 500 docs of PIQA and WinoGrande (95% interval about +-4-9 points), 35-50 minutes per point "
+         "and the first 500 docs of PIQA and WinoGrande (95% interval about +-4-9 points), 33-45 minutes per point "
          "on one core of this CPU (two points at a time); with `task.limit=100` it scores the first 100 docs of "
          "each (+-10 points), the size Gemma-3-270M runs too (InfiniGen at its recommended setting, "
          "docs/methods.md), some 5-15 minutes per point on its 262,144-token vocabulary. Lines over more docs per "
