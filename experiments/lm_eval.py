@@ -196,6 +196,25 @@ def task_metrics(results: dict, name: str) -> dict:
     return out
 
 
+def units_of(samples: list[dict]) -> dict:
+    """lm-eval's logged samples of one task, compacted: the doc ids and each metric per doc, in doc order
+    ({"id": [0, 1, ...], "acc": [1.0, 0.0, ...], "acc_norm": [...]}); a metric under a filter other than "none" is
+    keyed "metric,filter", as in `task_metrics`. Prompts, responses and docs are left out: what paired statistics
+    need (analysis/paired.py), a few KiB per task."""
+    def plain(value):  # numpy scalars (some metrics) as Python numbers, pairs (word_perplexity's) as lists
+        return [plain(v) for v in value] if isinstance(value, (tuple, list)) else getattr(value, "item", lambda: value)()
+
+    out: dict[str, list] = {"id": []}
+    first = min((s["filter"] for s in samples), default=None)
+    for sample in sorted(samples, key=lambda s: (s["filter"], s["doc_id"])):
+        if sample["filter"] == first:
+            out["id"].append(sample["doc_id"])
+        for metric in sample["metrics"]:
+            key = metric if sample["filter"] == "none" else f"{metric},{sample['filter']}"
+            out.setdefault(key, []).append(plain(sample[metric]))
+    return out
+
+
 def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
     """One requested task name (a task or a group) -> one row per lm-eval task it evaluated."""
     import lm_eval
@@ -211,7 +230,7 @@ def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
         task_manager=tm,
         fewshot_random_seed=task.fewshot_seed,
         bootstrap_iters=BOOTSTRAP_ITERS,
-        log_samples=False,
+        log_samples=True,
     )
     seconds = time.perf_counter() - t0
     stats = lm.method.stats.summary()
@@ -241,6 +260,7 @@ def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
             "seconds_per_request": seconds / counts["requests"] if counts["requests"] else None,
             "kv_fraction": _finite(stats.get("kv_fraction")),
             "stats": stats,
+            "units": units_of(results.get("samples", {}).get(name, [])),
         })
     return rows
 
@@ -259,7 +279,7 @@ def evaluate_ruler(lm, name: str, task, data_dir) -> list[dict]:
         lm.reset_counts()
         t0 = time.perf_counter()
         results = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=None, limit=None, task_manager=tm,
-                                          bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+                                          bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
         seconds = time.perf_counter() - t0
         metrics = task_metrics(results, name)
         generated, stats = lm.counts["generated"], lm.method.stats.summary()
@@ -281,6 +301,7 @@ def evaluate_ruler(lm, name: str, task, data_dir) -> list[dict]:
             "seconds_per_sample": seconds / samples["effective"] if samples.get("effective") else None,
             "kv_fraction": _finite(stats.get("kv_fraction")),
             "stats": stats,
+            "units": units_of(results.get("samples", {}).get(name, [])),
         })
     return rows
 

@@ -165,6 +165,9 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
         "prompts": len(results),
         "cells": by_cell,
         "per_prompt": results,
+        # each prompt's outcome, kept by `make export` (per_prompt is not): paired comparisons over the same prompts
+        "units": {"id": [f"{r['length']}/{r['depth']:g}/{r['seed']}" for r in results],
+                  "exact": [r["exact"] for r in results], "loglik": [r["loglik"] for r in results]},
         "seconds_per_prompt": {str(n): sum(s for s, (m, _, _) in zip(seconds, jobs) if m == n) / (len(task.depths) * task.seeds)
                                for n in task.lengths},
         "kv_fraction": stats.get("kv_fraction"),

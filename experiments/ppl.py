@@ -22,6 +22,9 @@ def validate(task, data_dir) -> None:
         raise ValueError(f"task.stride must be an integer in 1..seq_len ({task.seq_len}), got {task.stride!r}")
     if task.max_windows is not None and (not isinstance(task.max_windows, int) or task.max_windows < 1):
         raise ValueError(f"task.max_windows must be null or an integer >= 1, got {task.max_windows!r}")
+    skip = task.get("skip_windows", 0)
+    if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+        raise ValueError(f"task.skip_windows must be an integer >= 0, got {skip!r}")
     if not isinstance(task.dense_rows, int) or not 0 <= task.dense_rows < task.seq_len:
         raise ValueError(f"task.dense_rows must be an integer in 0..seq_len-1, got {task.dense_rows!r}")
     check_attention(task.get("attention", "fused"))  # +task.attention=exact: transformers' eager math
@@ -32,9 +35,11 @@ def positions_needed(task) -> tuple[str, int]:
     return "task.seq_len", task.seq_len
 
 
-def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | None) -> list[tuple[int, int]]:
-    """(start, first scored position) of each window; overlapping windows score only their new tokens."""
-    starts = list(range(0, ids.numel() - seq_len + 1, stride))[: max_windows or None]
+def windows(ids: torch.Tensor, seq_len: int, stride: int, max_windows: int | None,
+            skip: int = 0) -> list[tuple[int, int]]:
+    """(start, first scored position) of each window after the first `skip`; overlapping windows score only their
+    new tokens."""
+    starts = list(range(skip * stride, ids.numel() - seq_len + 1, stride))[: max_windows or None]
     return [(s, 0 if i == 0 else seq_len - stride) for i, s in enumerate(starts)]
 
 
@@ -85,13 +90,14 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
     text = corpus_text(task.dataset, data_dir)
     ids = encode(tokenizer, text, model.config.vocab_size)
     stride = task.stride or task.seq_len
-    spans = windows(ids, task.seq_len, stride, task.max_windows)
+    skip = task.get("skip_windows", 0)
+    spans = windows(ids, task.seq_len, stride, task.max_windows, skip)
     if not spans:  # the exact check, before any forward (validate could only bound the count by the bytes)
-        raise ValueError(f"corpus {task.dataset!r} has {ids.numel()} tokens after tokenisation, fewer than one window "
-                         f"(seq_len={task.seq_len}): use a longer text or a smaller task.seq_len")
-    nll_sum, n_tok = 0.0, 0
-    chunk_sum = torch.zeros(math.ceil(task.seq_len / CHUNK), dtype=torch.float64)
-    chunk_n = torch.zeros_like(chunk_sum)
+        raise ValueError(f"corpus {task.dataset!r} has {ids.numel()} tokens after tokenisation, fewer than "
+                         f"{skip + 1} window(s) (seq_len={task.seq_len}, skip_windows={skip}): use a longer text, a "
+                         "smaller task.seq_len or task.skip_windows")
+    n_chunks = math.ceil(task.seq_len / CHUNK)
+    units = {"id": [], "nll": [], "tokens": [], "chunk_nll": [], "chunk_tokens": []}  # one entry per window
     seconds = []
     method.reset_stats()
     for index, (start, first) in enumerate(tqdm(spans, desc=f"ppl {task.dataset}", unit="window")):
@@ -101,14 +107,19 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
         scores = token_logprobs(model, hidden[0, :-1], window[0, 1:])  # in blocks of rows: no (t, vocab) logits
         seconds.append(time.perf_counter() - t0)
         check_window(model, method, window, scores.finite, index, start, task.dense_rows)
-        nll = -scores.logprob.cpu()
+        nll = -scores.logprob.cpu()  # float64
         pos = torch.arange(1, task.seq_len)  # position of each predicted token
         scored = pos >= max(first, 1)
-        nll_sum += float(nll[scored].sum())
-        n_tok += int(scored.sum())
-        chunk_sum.index_add_(0, pos[scored] // CHUNK, nll[scored].cpu())
-        chunk_n.index_add_(0, pos[scored] // CHUNK, torch.ones(int(scored.sum()), dtype=torch.float64))
-    mean_nll = nll_sum / n_tok
+        chunk = pos[scored] // CHUNK
+        units["id"].append(start)
+        units["nll"].append(float(nll[scored].sum()))
+        units["tokens"].append(int(scored.sum()))
+        units["chunk_nll"].append(torch.zeros(n_chunks, dtype=torch.float64).index_add_(0, chunk, nll[scored]).tolist())
+        units["chunk_tokens"].append(torch.bincount(chunk, minlength=n_chunks).tolist())
+    n_tok = sum(units["tokens"])
+    mean_nll = sum(units["nll"]) / n_tok
+    chunk_sum = torch.tensor(units["chunk_nll"]).sum(0)
+    chunk_n = torch.tensor(units["chunk_tokens"]).sum(0)
     stats = method.stats.summary()
     # What the method's decode-mode cache really holds at seq_len (quant: codes + scales; h2o: its budget), on
     # the first window; its stats are not counted.
@@ -125,4 +136,7 @@ def run(model, tokenizer, method, task, data_dir, device="cpu") -> dict:
         "cache_bytes": held,
         "dense_cache_bytes": dense,
         "stats": stats,
+        # each window's summed NLL (nats) and scored tokens, whole and per CHUNK positions: paired comparisons of
+        # two methods over the same windows (analysis/paired.py); `id` is the window's first token
+        "units": units,
     }

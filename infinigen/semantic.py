@@ -15,7 +15,7 @@ NON_SEMANTIC_METHOD = ("calib_data_dir",)
 # at that value a run computes what a row without the key did, so the key is left out (the stored rows stay valid)
 LATER_METHOD_OPTIONS = {"budget_tokens": None, "qk_norm": "rms"}
 # the same for task options (the latency task's schedule of the performance model: infinigen/offload/paper.py)
-LATER_TASK_OPTIONS = {"schedule": "overlapped", "paper": {}}
+LATER_TASK_OPTIONS = {"schedule": "overlapped", "paper": {}, "skip_windows": 0}
 
 # lm_eval options only RULER tasks read (the QA files only its QA tasks): a run without one computes the same
 # whatever they say
