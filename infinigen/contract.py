@@ -68,6 +68,25 @@ def attend(
     return out.view(b, h, t, d), (probs if need_probs else None)
 
 
+_LOWEST: dict = {}  # (dtype, device) -> a 0-dim tensor of the dtype's minimum, made once (not an op per call)
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend`'s arithmetic (the same product, scale, masked minimum, float32 softmax, product) for one decoded
+    token over rows gathered per KV head, with no view it does not need: q (b, h, 1, d); keys, values
+    (b, h_kv, s, d) (views of the gathered rows are fine); keep (b, h_kv, s) bool. Returns (b, h, 1, d). What an
+    offloading runtime's gathering step attends (`GatheringMethod.attend_gathered`): half the ops of `attend`."""
+    b, h, _, d = q.shape
+    hk, s = keys.shape[1], keys.shape[2]
+    scores = torch.bmm(q.view(b * hk, h // hk, d), keys.view(b * hk, s, d).transpose(1, 2)) * scale  # (b*hk, g, s)
+    key = (scores.dtype, scores.device)
+    if key not in _LOWEST:
+        _LOWEST[key] = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
+    scores = torch.where(keep.view(b * hk, 1, s), scores, _LOWEST[key])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.bmm(probs.to(values.dtype), values.view(b * hk, s, d)).view(b, h, 1, d)
+
+
 def _flash_kernel(device: torch.device):
     """torch's fused CPU kernel called directly: it returns each row's log-sum-exp beside the output (what recall
     is computed from) and takes a float mask as is (SDPA converts a bool mask per call). None off CPU."""
@@ -568,6 +587,14 @@ class GatheringMethod(KVMethod):
         self.stats.add(layer.index, "kv_fraction", keep.sum(-1), offset=1, scale=1 / full)
         self.after_step(session, layer, q, store, keep)
         return out
+
+    def attend_gathered(self, session, layer, q, store: KVStore, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The offloading runtime's second half of a gathering step: the rows `select_indices` returned (index,
+        valid: (b, h_kv, k)) are in `store.gathered` (the runtime's rows (b, h_kv, k + 1, W), the current token's
+        last, with `valid` and the per-(row, KV head) `counts`). By default the selection as a mask over the past,
+        then `attend_selected`, as decode mode runs it; a method whose selection has static buffers may attend the
+        rows directly."""
+        return self.attend_selected(session, layer, q, store, keep_mask(index, valid, store.stored - 1))
 
     def before_step(self, session, layer, store: KVStore) -> None:
         """Per-entry state for the current token (already appended to `store`), before it attends."""

@@ -100,9 +100,9 @@ def test_speculation_at_attention_end_runs_the_same_selection():
 
     model, _ = load_model("tiny-llama-gqa", "float64")
     ids = random_ids(PROMPT + DECODED, model.config.vocab_size, batch=2)
-    settings = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "method" / "infinigen.yaml"))
+    conf = OmegaConf.create({"data_dir": DATA_DIR, "method": OmegaConf.load(ROOT / "conf" / "method" / "infinigen.yaml")})
+    settings = OmegaConf.to_container(conf, resolve=True)["method"]  # no model: the knobs at the paper's values
     settings.pop("_target_")
-    settings["calib_data_dir"] = DATA_DIR
     start, a = teacher_forced_logits(model, InfiniGen(**settings), ids, PROMPT)
     rt = OffloadRuntime(model, AtAttentionEnd(**settings))
     b = rt.generate(ids[:, :PROMPT], DECODED, teacher=ids[:, PROMPT:], keep_logits=True)

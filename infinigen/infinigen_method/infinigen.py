@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
-from infinigen.adapter import AttentionLayer, Session, encode, tokenizer_of
+from infinigen.adapter import AttentionLayer, Session, encode, norm_weight_only, reads_bytes, tokenizer_of
 from infinigen.contract import score_dtype
 from infinigen.infinigen_method.selective_attention import SelectiveAttention
 from infinigen.infinigen_method.skew import Skew, calibrate
+from infinigen.infinigen_method.step import CapturedSelection, select_step, speculated_query
 
 # The speculation input x for layer i (pushed through layer i's partial query weight):
 #   previous        layer i-1's normalised attention input, norm_{i-1}(h_{i-1}) (the paper, Sec. 4.3)
@@ -56,6 +57,12 @@ PARTIAL_SELECT = ("q", "qk")
 #           rows and skip the whole-vector reduction): each head's speculated scores are scaled by its query's RMS,
 #           so the alpha threshold and the GQA reduction across the heads sharing a KV head move
 QK_NORM = ("rms", "weight")
+# How a decode step's speculation and selection (`step.speculated_query` + `step.select_step`) run on a CUDA device:
+#   none     eagerly, op by op (every device; the only choice off CUDA, where the others fall back to it)
+#   graph    as one CUDA graph per layer, captured at the first step and replayed (the host copies the speculation
+#            input in and launches one graph instead of ~20 kernels)
+#   compile  the same graph of the function compiled with torch.compile first (its kernels fused)
+CAPTURE = ("none", "graph", "compile")
 RANDOM_CALIBRATION = "random ids (a random-weight stand-in: infinigen/offload/census.py)"
 
 
@@ -74,6 +81,7 @@ class InfiniGen(SelectiveAttention):
     partial_select: str = "q"  # "q": top columns of |Q|; "qk": union of top columns of |Q| and |K|
     speculate_from: str = "previous"  # see SPECULATE_FROM: previous | block_input | after_attention | current
     qk_norm: str = "rms"  # see QK_NORM: rms | weight
+    capture: str = "none"  # see CAPTURE: none | graph | compile (CUDA; how a decode step's selection is launched)
     calibration: str = "pg19"  # a corpus spec (infinigen/corpora.py): a name, file:PATH or hf:PATH/CONFIG/SPLIT/COLUMN
     calib_tokens: int = 2048
     calib_data_dir: str | None = None
@@ -97,11 +105,17 @@ class InfiniGen(SelectiveAttention):
             raise ValueError("skip_layers must be >= 1: layer 0 has no previous layer to speculate from")
         if self.calib_tokens < 16:
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
+        if self.capture not in CAPTURE:
+            raise ValueError(f"capture must be one of {CAPTURE}, got {self.capture!r}")
         self.skewing: Skew | None = None
         self._random_calibration = False  # stand_in(): calibrate on random ids
         self._projections: list[torch.Tensor] = []  # per layer (h_kv, d, r): skew and column choice in one matrix
         self._repeated: dict = {}  # (layer, batch) -> the projection repeated per batch row
         self._partial_q: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []  # per layer (weight, bias)
+        self._step: dict = {}  # (layer, batch) -> a static decode step's weights (`step_weights`)
+        self._rope: dict = {}  # layer type -> (the forward's cos table, its rotary factors): made once per forward
+        self._captured: dict = {}  # layer -> (key, CapturedSelection)
+        self.capture_used = False  # whether a captured selection ran (False off CUDA: the eager one did)
 
     def check_data(self) -> None:
         check_dataset(self.calibration, self.calib_data_dir)
@@ -121,6 +135,7 @@ class InfiniGen(SelectiveAttention):
 
     # ------------------------------------------------------------------ calibration
     def bind(self, session: Session) -> None:
+        super().bind(session)
         model = session.model
         keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")
         settings = {k: asdict(self)[k] for k in keys}
@@ -135,13 +150,18 @@ class InfiniGen(SelectiveAttention):
         self._projections = [partial_projection(self.skewing, i, layer.head_dim) for i, layer in enumerate(session.layers)]
         self._repeated = {}
         self._partial_q = [partial_query_weight(layer, p) for layer, p in zip(session.layers, self._projections)]
+        self._step, self._rope, self._captured = {}, {}, {}
 
     def _calibration_ids(self, model) -> torch.Tensor:
         limit = min(self.calib_tokens, getattr(model.config, "max_position_embeddings", self.calib_tokens))
         if self._random_calibration:
             gen = torch.Generator().manual_seed(0)
             return torch.randint(0, model.config.vocab_size, (1, limit), generator=gen).to(model.device)
-        ids = encode(tokenizer_of(model), corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
+        tokenizer = tokenizer_of(model)
+        if tokenizer is None and not reads_bytes(model):
+            raise ValueError(f"InfiniGen calibrates on text ({self.calibration}): this model was not loaded by "
+                             "infinigen.load_model, so pass its tokenizer (infinigen.apply / generate(..., tokenizer=))")
+        ids = encode(tokenizer, corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
         return ids[:limit][None].to(model.device)
 
     def stand_in(self) -> "InfiniGen":
@@ -192,6 +212,94 @@ class InfiniGen(SelectiveAttention):
         p = self._repeated[key]
         return torch.bmm(x.to(p.dtype).reshape(b * hk, -1, d), p).view(*x.shape[:-1], p.shape[-1])
 
+    # ------------------------------------------------------------------ the static decode step
+    def step_query(self, session, layer, q):
+        """The speculated query of `speculation_queries` in one projection (`step.speculated_query`): (b*h_kv, g,
+        c + 1), the logit scale and the constant channel folded into the weights, RoPE into the projection."""
+        x = self.speculation_input(session, layer)  # (b, 1, hidden)
+        b = x.shape[0]
+        w = self.step_weights(layer, b)
+        return speculated_query(x.view(b, -1), w["weight"], w["bias"], self.rotary_factors(session, layer),
+                                w["proj"], w["one"], layer.num_kv_heads, layer.groups, w["norm"])
+
+    def step_keys(self, layer, k, out):
+        """The partial key cache's rows of k (b, h_kv, n, d), written into out (b*h_kv, n, c + 1) by one batched
+        product (the liveness channel's projection column is zero)."""
+        b, hk, n, d = k.shape
+        torch.bmm(k.reshape(b * hk, n, d).to(out.dtype), self.step_weights(layer, b)["keys"], out=out)
+
+    def step_weights(self, layer, b: int) -> dict:
+        """What `speculated_query` and `step_keys` multiply by, made once per layer and batch size: the query weight
+        (OPT: the partial rows with the query scale and the constant channel; RoPE: the layer's own, transposed, not
+        copied), its bias, the projection [P; J^T P] x the logit scale (RoPE) and [P | 0] (keys), per batch row."""
+        key = (layer.index, b)
+        if key in self._step:
+            return self._step[key]
+        P = self._projections[layer.index]  # (hk, d, r) in the score dtype
+        hk, d, r = P.shape
+        zero = P.new_zeros(hk, d, 1)
+        w = {"keys": torch.cat([P, zero], -1).repeat(b, 1, 1), "norm": None, "proj": None, "one": None}
+        partial = self._partial_q[layer.index]
+        if partial is not None:  # OPT: the partial rows + a zero row per head whose bias is 1, times the query scale
+            weight, bias = partial
+            h, hidden = layer.num_heads, weight.shape[-1]
+            rows = torch.cat([weight.view(h, r, hidden).to(P.dtype), P.new_zeros(h, 1, hidden)], 1)
+            shift = (torch.zeros(h, r, dtype=P.dtype, device=P.device) if bias is None
+                     else bias.view(h, r).to(P.dtype))
+            shift = torch.cat([shift * layer.query_scale, P.new_ones(h, 1)], 1)
+            w["weight"] = (rows * layer.query_scale).view(-1, hidden).t().contiguous().to(weight.dtype)
+            w["bias"] = shift.view(-1).to(weight.dtype)
+        else:  # RoPE: rope(y) . P = (y * cos) . P + (y * sin') . J^T P, J = rotate_half, J^T P = [P_2; -P_1]
+            half = d // 2
+            rotated = torch.cat([P[:, half:], -P[:, :half]], 1)
+            proj = torch.cat([P, rotated], 1) * (layer.logit_scale * layer.query_scale)  # (hk, 2d, r)
+            w["proj"] = torch.cat([proj, P.new_zeros(hk, 2 * d, 1)], -1).repeat(b, 1, 1)  # (b*hk, 2d, r + 1)
+            w["one"] = torch.cat([P.new_zeros(r), P.new_ones(1)]).view(1, 1, r + 1)
+            w["weight"], w["bias"] = layer.q_proj.weight.t(), layer.q_proj.bias
+            if layer._q_norm is not None:
+                w["norm"] = layer._q_norm if self.qk_norm == "rms" else partial_norm(layer._q_norm)
+        self._step[key] = w
+        return w
+
+    def rotary_factors(self, session, layer) -> torch.Tensor | None:
+        """(b, 1, 1, 2, d) in the score dtype: [cos | sin with its halves swapped] of the current forward's position
+        (what `speculated_query` multiplies the query by), made once per forward; None without RoPE."""
+        tables = session.rope_of(layer) if layer.family != "opt" else None
+        if tables is None:
+            return None
+        cos, sin = tables  # (b, 1, d)
+        held = self._rope.get(layer.layer_type)
+        if held is None or held[0] is not cos:
+            half = cos.shape[-1] // 2
+            factors = torch.cat([cos, sin[..., half:], sin[..., :half]], -1).to(score_dtype(cos.dtype))
+            held = self._rope[layer.layer_type] = (cos, factors.view(cos.shape[0], 1, 1, 2, -1))
+        return held[1]
+
+    def step_select(self, session, layer, q, buf, thr, width):
+        """capture=graph|compile on a CUDA device: the speculation and the selection as one captured graph of this
+        layer (re-captured when its buffers or batch change), fed the speculation input; else eagerly."""
+        if self.capture == "none" or buf.keys.device.type != "cuda":
+            return super().step_select(session, layer, q, buf, thr, width)
+        x = self.speculation_input(session, layer)
+        b = x.shape[0]
+        rope = self.rotary_factors(session, layer)
+        key = (buf.keys.data_ptr(), thr.data_ptr(), b)
+        held = self._captured.get(layer.index)
+        if held is None or held[0] != key:
+            w = self.step_weights(layer, b)
+            rope_in = None if rope is None else rope.clone()  # the graph's own copy, refreshed before each replay
+            hk, g, alpha, reduce = layer.num_kv_heads, layer.groups, self.alpha, self.gqa_reduce
+
+            def fn(x2d):
+                query = speculated_query(x2d, w["weight"], w["bias"], rope_in, w["proj"], w["one"], hk, g, w["norm"])
+                return select_step(query, buf.keys_t, buf.live, thr, alpha=alpha, width=width, batch=b, reduce=reduce)
+
+            held = self._captured[layer.index] = (key, CapturedSelection(fn, x.view(b, -1), self.capture), rope_in)
+        if rope is not None:
+            held[2].copy_(rope)
+        self.capture_used = True
+        return held[1](x.view(b, -1))
+
     def score_queries(self, session, layer, q):
         """`q` (the true query) is deliberately unused: even speculate_from=current recomputes it from the
         layer's input, through the partial weight."""
@@ -229,6 +337,11 @@ def partial_projection(skewing: Skew, layer: int, head_dim: int) -> torch.Tensor
     basis = torch.eye(head_dim, dtype=dtype, device=cols.device).expand(hk, -1, -1) if rotation is None else rotation
     chosen = basis.to(dtype).gather(-1, kept[:, None, :].expand(hk, head_dim, -1))  # (hk, d, r)
     return chosen * cols.to(dtype).gather(-1, kept)[:, None, :]
+
+
+def partial_norm(norm):
+    """qk_norm="weight": the norm's per-channel weight without the RMS (`norm_weight_only`), as a callable."""
+    return lambda y: norm_weight_only(norm, y)
 
 
 def partial_query_weight(layer: AttentionLayer, projection: torch.Tensor):

@@ -5,8 +5,9 @@ when it crosses the link:
   resident  the method's decode step on a device cache (nothing crosses)
   held      the pool's occupied rows cross, issued one layer ahead (the next step's layer 0 at the last layer),
             land in position order as the store's keys/values, then the method's decode step runs on them
-  gather    `select` runs at the method's speculation point (layer i-1's attention start or end, or layer i's own
-            query), the selected rows are gathered on the host and cross, then `attend_selected` runs on them
+  gather    `select_indices` runs at the method's speculation point (layer i-1's attention start or end, or layer
+            i's own query), the selected rows are gathered on the host and cross, then `attend_gathered` runs on
+            them
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import full_past, keep_mask
+from infinigen.contract import full_past
 from infinigen.offload.codecs import FpCodec, head_major
 from infinigen.offload.link import Fetched
 from infinigen.offload.pool import HostPool, PoolStore
@@ -182,10 +183,51 @@ class HeldExecutor(PoolExecutor):
         return out
 
 
+class Gathered:
+    """What a gathering step attends, put in place by the runtime (`PoolStore.gathered`): rows (b, h_kv, k + 1, W)
+    as the codec stores them, each head's selected rows in the order `select_indices` ranked them, the current
+    token's last (a slot a head did not select holds a finite row, masked); valid (b, h_kv|1, k). `counts` and
+    `mask` are computed once, when first read; `rows, mask = gathered` unpacks as the (rows, mask) pair it was."""
+
+    def __init__(self, rows: torch.Tensor, valid: torch.Tensor, codec):
+        self.rows, self.valid, self.codec = rows, valid, codec
+        self._counts = self._mask = None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """(b, h_kv): selected rows per (batch row, KV head), shared by the runtime's tally and the method's stats."""
+        if self._counts is None:
+            b, hk = self.rows.shape[:2]
+            n = self.valid.sum(-1)
+            self._counts = n if n.shape[1] == hk else n.expand(b, hk)
+        return self._counts
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(b, h_kv, 1, k + 1) bool: what each head attends (its valid rows and the current token)."""
+        if self._mask is None:
+            b, hk, k = self.rows.shape[0], self.rows.shape[1], self.valid.shape[-1]
+            self._mask = torch.cat([self.valid.expand(b, hk, k), self.valid.new_ones(b, hk, 1)], dim=-1)[:, :, None]
+        return self._mask
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each (b, h_kv, k + 1, d): the codec's decode of the rows (views for K|V rows)."""
+        return self.codec.decode(self.rows)
+
+    def __iter__(self):
+        return iter((self.rows, self.mask))
+
+
 class GatherExecutor(PoolExecutor):
     """The rows `select_indices` picks cross; per-entry state stays on the device. Nothing here reads a device
     value on the host: the selection's shapes are known from the step (its width), the indices reach the host
-    on the gather's own copy, and the gathered rows are put in place on the device."""
+    on the gather's own copy, and the gathered rows are put in place on the device.
+
+    The hand-off, per step: the selected pool rows, a filler for each unselected slot and one sentinel per head
+    (b, h_kv, k + 1), sorted on the device (`sorted_rows`) and copied to the host, which counts and gathers the rows
+    before the fillers in one sweep of the pool; the landing slot then holds, in sorted order, the gathered rows,
+    stale rows for the fillers and, at the sentinels' places (the end), each head's current-token row, so one
+    index_copy_ by the sort's permutation puts every row at its (head, rank) place."""
 
     wraps = False  # layer 0 has no earlier layer in the same step to speculate from
 
@@ -193,6 +235,7 @@ class GatherExecutor(PoolExecutor):
         super().__init__(rt, method, layer)
         point = method.speculation_point
         self.ahead = None if point == "query" else point
+        self._shaped: dict = {}  # (b, h_kv, k) -> the hand-off's buffers and landing views of that shape
 
     def staging_slots(self, codec, slots, bh, max_len):
         if self.rt.gather == "zero_copy" and slots < max_len:
@@ -217,15 +260,18 @@ class GatherExecutor(PoolExecutor):
         """Start the host gather + copy of the selected (index, valid: (b, h_kv, k), valid may be broadcast over
         the heads) rows."""
         b, hk, k = index.shape
-        src = store.entries["slot"].gather(-1, index) * (b * hk) + self.heads(b * hk, index.device)  # pool rows
-        if self.rt.gather == "zero_copy" and self.landing is not None:
-            job = store.pool.zero_copy_job(src.view(b * hk, k), valid.expand(b, hk, k).reshape(b * hk, k),
+        heads = self.heads(b * hk, index.device)  # (b, h_kv, 1)
+        if store.evicting:  # pool slots are not positions: look each entry's slot up
+            src = store.entries["slot"].gather(-1, index) * (b * hk) + heads
+        else:  # a pool that never evicts holds entry n in slot n: its row is n * b*h_kv + head
+            src = torch.add(heads, index, alpha=b * hk)
+        if self.rt.gather == "zero_copy" and self.landing is not None:  # the program reads both as (b*h_kv, k) rows
+            job = store.pool.zero_copy_job(src.view(b * hk, k), valid.expand(b, hk, k).reshape(b * hk, k).contiguous(),
                                            self.next_landing())
             self.issued(job, index, valid, None)
             return
-        rows, rank = sorted_rows(src, valid)
-        job = store.pool.gather_job(rows, valid.expand(b, hk, k).sum(), self.next_landing())
-        self.submit(job, index, valid, rank)
+        rows, order = sorted_rows(src, valid, self.sort_buffer(b, hk, k, index.device))
+        self.submit(store.pool.gather_job(rows, self.next_landing()), index, valid, order)
 
     def heads(self, bh: int, device) -> torch.Tensor:
         """(b, h_kv, 1) flat head index, made once: every step's gather adds it (one op less per step)."""
@@ -233,51 +279,91 @@ class GatherExecutor(PoolExecutor):
             self._heads = torch.arange(bh, device=device).view(-1, self.layer.num_kv_heads, 1)
         return self._heads
 
+    def sort_buffer(self, b: int, hk: int, k: int, device) -> dict:
+        """What `sorted_rows` sorts, made once per shape (a new shape drops the last one's): a (b, h_kv, k + 1) long
+        buffer whose slots [0, k) receive each step's rows (or the filler) and slot k the head's sentinel, above
+        the filler and in head order (both above every pool row); its views, and the filler."""
+        key = (b, hk, k)
+        if "sort" not in self._shaped.get(key, {}):
+            bh = b * hk
+            buf = torch.empty(b, hk, k + 1, dtype=torch.long, device=device)
+            buf[..., k:] = FILLER + 1 + torch.arange(bh, device=device).view(b, hk, 1) - bh
+            self._shaped = {key: {"sort": buf.view(-1), "rows": buf[..., :k],
+                                  "filler": torch.tensor(FILLER - bh, device=device)}}
+        return self._shaped[key]
+
     def prepare(self, session, q, store):
         if self.pending is None:  # the selection needs this layer's own query: the gather starts here
             self.gather(store, *self.method.select_indices(session, self.layer, q, store, past=store.stored - 1,
                                                            position=store.seen - 1))
 
     def decode(self, session, q, store):
-        fetched, index, valid, rank = self.take(store)
-        store.gathered = self.in_place(fetched, store, valid, rank)
-        keep = keep_mask(index, valid, store.stored - 1)  # (b, h_kv, past)
-        out = self.method.attend_selected(session, self.layer, q, store, keep)
+        fetched, index, valid, order = self.take(store)
+        store.gathered = Gathered(self.in_place(fetched, store, order, index.shape[-1]), valid, store.codec)
+        out = self.method.attend_gathered(session, self.layer, q, store, index, valid)
+        n = store.gathered.counts
         store.gathered = None
         self.release(fetched)
-        n = valid.expand(*keep.shape[:2], -1).sum(-1)
         self.rt.tally(self.layer.index, attended=n, fetched=n)
         self.rt.gathers.append((fetched.nbytes, fetched.gather_s))
         return out
 
-    def in_place(self, fetched: Fetched, store: PoolStore, valid: torch.Tensor, rank: torch.Tensor | None):
-        """The gathered rows spread to (b, h_kv, k + 1, W) with each head's current-token row last, by one
-        index_select on the device (rank: where each selected slot's row is among the gathered ones; None: at
-        its (head, rank) slot already); and the mask of what each head attends (b, h_kv, 1, k + 1). Slots a head
-        did not select read its current row (finite; masked)."""
-        b, hk, k = valid.shape[0], self.layer.num_kv_heads, valid.shape[-1]
+    def in_place(self, fetched: Fetched, store: PoolStore, order: torch.Tensor | None, k: int) -> torch.Tensor:
+        """The landed rows at their (head, rank) places, (b, h_kv, k + 1, W) with each head's current-token row last,
+        in a buffer the layers share (one index_copy_ on the device). The landing slot's rows are in the order the
+        hand-off sorted them (`order`: which (head, rank) each is), or, from a device program (order None), at
+        (head, rank) already, the current tokens' after them."""
+        b, hk = store.fresh.shape[:2]
         bh, w = b * hk, store.codec.width
-        heads = self.heads(bh, valid.device)  # (b, h_kv, 1)
-        if fetched.slot is None:  # the pool's own rows (host == device)
-            source, base = torch.cat([fetched.rows, store.fresh.reshape(bh, w)]), fetched.moved
+        n = bh * (k + 1)
+        if fetched.slot is None:  # the pool's own rows (host == device): gathered, fillers, then the current tokens'
+            m = fetched.rows.shape[0]
+            source = torch.cat([fetched.rows, fetched.rows.new_zeros(bh * k - m, w), store.fresh.reshape(bh, w)])
         else:
-            base = self.capacity
-            source = fetched.slot.dev[: (base + bh) * w].view(base + bh, w)
-            source[base:] = store.fresh.reshape(bh, w)
-        at = heads * k + torch.arange(k, device=valid.device) if rank is None else rank.view(b, hk, k)
-        spread = torch.cat([torch.where(valid, at, base + heads), base + heads], dim=-1)  # (b, h_kv, k + 1)
-        rows = source.index_select(0, spread.view(-1)).view(b, hk, k + 1, w)
-        mask = torch.cat([valid.expand(b, hk, k), valid.new_ones(b, hk, 1)], dim=-1)[:, :, None]
-        return rows, mask
+            views = self.landing_views(fetched.slot, b, hk, k, w)
+            views["fresh"].copy_(store.fresh)
+            source = views["rows"]
+        if order is None:
+            order = self.padded_order(b, hk, k, source.device)
+        rows, shaped = self.rt.gathered_rows(n, w, source.dtype, source.device, (b, hk, k + 1, w))
+        rows.index_copy_(0, order, source)
+        return shaped
+
+    def landing_views(self, slot, b: int, hk: int, k: int, w: int) -> dict:
+        """A landing slot's first bh x (k + 1) rows, and the current tokens' (the last bh of them) as (b, h_kv, 1, W):
+        views made once per slot and shape."""
+        cache = self._shaped.setdefault((b, hk, k), {})
+        key = ("landing", id(slot))
+        if key not in cache:
+            bh = b * hk
+            rows = slot.dev[: bh * (k + 1) * w].view(bh * (k + 1), w)
+            cache[key] = {"rows": rows, "fresh": rows[bh * k :].view(b, hk, 1, w)}
+        return cache[key]
+
+    def padded_order(self, b: int, hk: int, k: int, device) -> torch.Tensor:
+        """A device program's landing: row (head, j) at head x k + j, then the current tokens': where each goes."""
+        cache = self._shaped.setdefault((b, hk, k), {})
+        if "padded" not in cache:
+            bh = b * hk
+            heads = torch.arange(bh, device=device)
+            selected = (heads[:, None] * (k + 1) + torch.arange(k, device=device)).view(-1)
+            cache["padded"] = torch.cat([selected, heads * (k + 1) + k])
+        return cache["padded"]
 
 
-def sorted_rows(src: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selected pool rows of src (b, h_kv, k) where valid, ascending, first (then a filler past every row),
-    and each slot's place in that order (b * h_kv * k,): the host gathers them in one sweep of the pool (~1.3x the
-    rate of the heads' rows one head after another on a CPU here), and the device, which sorted them, knows
-    where each landed. Static shapes: the count stays on the device."""
-    rows, order = torch.where(valid, src, torch.iinfo(torch.int32).max).view(-1).sort()
-    return rows, order.argsort()
+# Above every pool row (a pool never holds 2^31 rows): unselected slots sort after the selected ones, and the
+# current tokens' sentinels (FILLER + 1 .. FILLER + b*h_kv after subtracting b*h_kv) after those; int32 on the host
+FILLER = torch.iinfo(torch.int32).max
+
+
+def sorted_rows(src: torch.Tensor, valid: torch.Tensor, buffers: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected pool rows of src (b, h_kv, k) where valid, ascending, then a filler per unselected slot, then
+    each head's sentinel ((b*h_kv*(k + 1),) long), and the permutation that sorted them (which (head, slot) each
+    sorted entry is): the host gathers the rows in one sweep of the pool (~1.3x the rate of the heads' rows one head
+    after another on a CPU here), and the device, which sorted them, knows where each landed. Static shapes: the
+    count stays on the device."""
+    torch.where(valid, src, buffers["filler"], out=buffers["rows"])
+    return buffers["sort"].sort()
 
 
 EXECUTORS = {"resident": ResidentExecutor, "held": HeldExecutor, "gather": GatherExecutor}

@@ -109,19 +109,22 @@ class HostPool:
 
         return job
 
-    def gather_job(self, rows: torch.Tensor, moved: torch.Tensor, slot: Slot | None):
-        """The first `moved` (a device count) of rows (n,), flat indices into (slots * b*h_kv, W) in ascending
-        order (the runtime's `sorted_rows`), gathered on the host, then copied: only they cross, and the host
-        sweeps the pool once. With a landing slot the indices reach the host by one non-blocking copy (int32, the
-        count last) that the job waits for on its worker: the thread launching kernels never waits for them."""
+    def gather_job(self, rows: torch.Tensor, slot: Slot | None):
+        """rows (n,): flat indices into (slots * b*h_kv, W), ascending, the selected ones first and then values at or
+        above the pool's row count (the runtime's `sorted_rows`: fillers, sentinels); the selected rows are gathered
+        on the host, then copied: only they cross, and the host sweeps the pool once. How many there are is counted
+        where the gather runs (a search of the sorted indices), so nothing is read back for it. With a landing slot
+        the indices reach the host by one non-blocking copy (int32) that the job waits for on its worker: the
+        thread launching kernels never waits for them."""
         written, writes, link = self.written, list(self.jobs), self.link  # later writes touch rows never read here
+        size = self.slots * self.bh  # rows of the pool: every index at or above it is not one
         if slot is None:  # host == device: the indices are already where the gather runs
 
             def job() -> Fetched:
                 t0 = link.clock()
                 for w in writes:
                     w.result()
-                index = rows[: int(moved)]
+                index = rows[: int(torch.searchsorted(rows, size))]
                 t1 = link.clock()
                 out = self.flat.index_select(0, index)
                 return Fetched(out, out.shape[0], out.numel() * out.element_size(), link.clock() - t0,
@@ -129,13 +132,12 @@ class HostPool:
 
             return job
         n = rows.numel()
-        host_index = slot.host_index[: n + 1]
-        payload = torch.cat([rows, moved.view(1)]).to(torch.int32)  # (n + 1,)
+        host_index = slot.host_index if slot.host_index.numel() == n else slot.host_index[:n]
         with link.back():
-            host_index.copy_(payload, non_blocking=link.cuda)
+            host_index.copy_(rows, non_blocking=link.cuda)  # int32 on the host: every value fits
             landed = link.event()
             landed.record(link.back_stream)
-        link.keep_alive(payload, stream=link.back_stream)
+        link.keep_alive(rows, stream=link.back_stream)
 
         def job() -> Fetched:
             t0 = link.clock()
@@ -144,7 +146,7 @@ class HostPool:
                 written.synchronize()
             for w in writes:
                 w.result()
-            m = int(host_index[n])
+            m = int(torch.searchsorted(host_index, size))
             slot.copied.synchronize()  # the landing buffer's previous copy has left it
             start, end = link.event(timing=True), link.event(timing=True)
             with link.side():
@@ -197,9 +199,9 @@ class PoolStore(KVStore):
         self.on_host = False
         self.fresh: torch.Tensor | None = None
         self.fresh_key: torch.Tensor | None = None  # the current token's key as the layer computed it (b, h_kv, 1, d)
-        # what a gathering step attends: rows (b, h_kv, k + 1, W), the current token's last, and their mask
-        # (b, h_kv, 1, k + 1) (False: a row a head did not select)
-        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        # what a gathering step attends (executors.Gathered): rows (b, h_kv, k + 1, W), the current token's last, and
+        # their mask (b, h_kv, 1, k + 1) (False: a row a head did not select); unpacks as (rows, mask)
+        self.gathered = None
 
     @property
     def stored(self) -> int:

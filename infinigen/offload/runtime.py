@@ -203,6 +203,16 @@ class OffloadRuntime:
             self._staging[name] = self.link.staging(elems, dtype, gather_rows, width, index_slots)
         return self._staging[name]
 
+    def gathered_rows(self, n: int, width: int, dtype, device, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, width) and its view as `shape`: where a gathering layer's landed rows are put in (head, rank) order
+        before it attends, made once per shape and shared by the layers (each reads it before the next one's rows
+        go in, in stream order)."""
+        key = (n, width, dtype, device, shape)
+        if self._rows_key != key:
+            rows = torch.zeros(n, width, dtype=dtype, device=device)
+            self._rows, self._rows_key = (rows, rows.view(shape)), key
+        return self._rows
+
     def next_slot(self, slots: list[Slot]) -> Slot:
         k = self._flips.get(id(slots), 0)
         self._flips[id(slots)] = k + 1
@@ -250,6 +260,7 @@ class OffloadRuntime:
         self.gathers: list[tuple] = []  # (bytes, host seconds) of each host gather
         self._tally = {"attended": [], "fetched": []}
         self._staging, self._flips = {}, {}
+        self._rows, self._rows_key = None, None
         executors = [EXECUTORS[layer_kind(self.method, layer, self.runtime)](self, self.method, layer)
                      for layer in self.layers]
         dtype = next(self.model.parameters()).dtype
