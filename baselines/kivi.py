@@ -74,6 +74,10 @@ class KIVIStore(KVStore):
             return key_states, value_states  # the prefill attends its fp KV
         return self.kv()
 
+    def reset(self) -> None:
+        super().reset()
+        self.quant, self.dtype = {}, None
+
     def flush(self) -> None:
         """Quantise what left the residuals (before the step's attention, as KIVI's Algorithm 1)."""
         n_k = quantized_keys(self.seen, self.residual) - (self.seen - self.keys.shape[2])

@@ -90,7 +90,7 @@ def task_module(name: str):
     import importlib
 
     modules = {"ppl": "experiments.ppl", "lm_eval": "experiments.lm_eval", "latency": "experiments.latency",
-               "needle": "experiments.needle"}
+               "needle": "experiments.needle", "generate": "experiments.generate"}
     if name not in modules:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(modules)}")
     return importlib.import_module(modules[name])
@@ -108,6 +108,10 @@ def data_identity(cfg) -> dict:
     if task.name == "ppl" or (task.name == "latency" and (task.get("prompt") == "text"
                                                             or (task.get("prompt") == "auto" and data_dir))):
         out = corpora.identity(task.dataset, data_dir)
+    elif task.name == "generate":  # the prompts' file or corpus (a text prompt is in the config itself)
+        prompt = task.get("prompt")
+        if prompt is None or str(prompt).startswith(corpora.FILE):
+            out = corpora.identity(task.dataset if prompt is None else prompt, data_dir)
     elif task.name == "lm_eval":
         names = list(task.tasks) if not isinstance(task.tasks, str) else [task.tasks]
         out = tasks_identity(names, data_dir, task.get("include_path"))
@@ -152,13 +156,15 @@ def versions() -> dict:
 
 def method_name(cfg: DictConfig) -> str:
     """The conf/method choice the run was composed with (what rows are called); without Hydra's runtime (e.g. a
-    config composed by hand), the class name, lowercased."""
+    config composed by hand), the conf/method whose `_target_` it is (else the class name, lowercased)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         return HydraConfig.get().runtime.choices.method
     except (ImportError, ValueError, AttributeError):
-        return cfg.method._target_.rsplit(".", 1)[-1].lower()
+        from infinigen.models import method_of_target
+
+        return method_of_target(cfg.method._target_) or cfg.method._target_.rsplit(".", 1)[-1].lower()
 
 
 def method_params(cfg: DictConfig, method) -> dict:

@@ -180,6 +180,16 @@ def tokenizer_of(model):
     return _TOKENIZERS.get(model)
 
 
+def remember_tokenizer(model, tokenizer) -> None:
+    """`tokenizer_of(model)` is `tokenizer` from now on (a model loaded by its owner, not by `load`)."""
+    _TOKENIZERS[model] = tokenizer
+
+
+def reads_bytes(model) -> bool:
+    """Whether text reaches `model` as UTF-8 bytes: a random-init model `load` built (it has no tokenizer)."""
+    return model in _TOKENIZERS and _TOKENIZERS[model] is None
+
+
 def encode(tokenizer, text: str, vocab_size: int) -> torch.Tensor:
     """Token ids (n,); random-init models have no tokenizer and read the UTF-8 bytes (mod vocab) instead."""
     if tokenizer is None:
@@ -507,6 +517,60 @@ class KVStore(DynamicLayer):
         tensors = list(self.entries.values()) + ([self.positions] if self.positions is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    # ------------------------------------------------------------------ transformers' cache operations
+    # What `model.generate` may ask of a cache layer besides `update`. Beam search reorders the batch rows every
+    # step (`reorder_cache`); the batch is repeated or narrowed by `batch_repeat_interleave` / `batch_select_indices`.
+    # A method's per-row state must follow its keys, so every batch-indexed tensor of the store moves with them:
+    # keys, values, positions, `entries`, whatever `state` holds (nested in dicts, lists, tuples) and the tensors a
+    # subclass keeps as attributes, i.e. every such tensor whose first dimension is the batch. `crop` (assisted
+    # decoding's rollback, a DeferredStopCheck's undo) is refused: an evicting or compressing store cannot give
+    # back what it dropped.
+    is_croppable = False
+
+    def _each_row_tensor(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.positions is None:
+            return
+        batch = self.positions.shape[0]
+
+        def walk(x):
+            if isinstance(x, torch.Tensor):
+                return fn(x) if x.dim() and x.shape[0] == batch else x
+            if isinstance(x, dict):
+                return {k: walk(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(walk(v) for v in x)
+            return x
+
+        self._buffers = None  # preallocated rows belong to the old batch order: the next append concatenates
+        self._rows.clear()
+        for name, value in list(vars(self).items()):
+            if name not in ("_buffers", "_rows"):
+                setattr(self, name, walk(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._each_row_tensor(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._each_row_tensor(lambda x: x[indices.to(x.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._each_row_tensor(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError(f"a KV method's cache cannot be cropped (asked to drop {abs(tokens_to_remove)} tokens): "
+                             "what it evicted or compressed cannot be given back (assisted / prompt-lookup decoding "
+                             "is not supported)")
+
+    def reset(self) -> None:
+        """Empty, as new: a reset cache starts another sequence."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.positions, self.seen = None, 0
+        self.entries, self.state = {}, {}
+        self._buffers = None
+        self._rows = {}
+
 
 def new_cache(stores: list[KVStore]) -> Cache:
     return Cache(layers=stores)
@@ -560,23 +624,41 @@ def _as_allowed(mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> t
     return mask[..., -kv_len:]
 
 
+# A forward that brings several tokens to a store already holding a past: what transformers' prefill chunking,
+# assisted / prompt-lookup decoding's verify step and a second turn on a reused cache do. A method's decode step
+# attends one new token against what it kept of the past, so these are refused (check_generation refuses them
+# before a `model.generate` call runs; this is the check of a forward made some other way).
+MULTI_TOKEN = ("a forward of {q} tokens after {past} cached ones: a KV method's decode mode takes one new token per "
+               "forward once its cache holds a past (prefill chunking, assisted / prompt-lookup decoding and a second "
+               "turn on a reused cache are not supported)")
+
+
 def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     # query (b, h, q, d); key/value (b, h_kv, s, d) as returned by the cache (or this forward's only)
     session, layer = _BOUND[id(module)]
     q_len, kv_len = query.shape[2], key.shape[2]
-    if session.mode == "decode" and q_len == 1 and session.cache is not None:
-        store = session.cache.layers[layer.index]
-        out = session.method.decode_attention(session, layer, query, store)
+    if session.mode == "decode":
+        # the cache has appended this forward's keys already: a decode step is a forward whose store held a past
+        # before it (not one of a single query: a 1-token prompt is a prefill)
+        store = session.cache.layers[layer.index] if session.cache is not None else None
+        past = -1 if store is None else store.seen - q_len
+        if past < 0:
+            raise ValueError("decode mode: this forward does not go through the method's cache (pass the cache the "
+                             "session holds, e.g. the one `infinigen.apply` yields, or none to model.generate)")
+        if past > 0:
+            if q_len != 1:
+                raise ValueError(MULTI_TOKEN.format(q=q_len, past=past))
+            out = session.method.decode_attention(session, layer, query, store)
+            return out.transpose(1, 2).contiguous(), None  # (b, q, h, d)
+    session.plain_causal = attention_mask is None
+    if attention_mask is None:  # one causal mask per forward, shared by its layers
+        shape = (q_len, kv_len, query.device)
+        if shape not in session.causal_masks:
+            session.causal_masks = {shape: _as_allowed(None, q_len, kv_len, query.device)}
+        allowed = session.causal_masks[shape]
     else:
-        session.plain_causal = attention_mask is None
-        if attention_mask is None:  # one causal mask per forward, shared by its layers
-            shape = (q_len, kv_len, query.device)
-            if shape not in session.causal_masks:
-                session.causal_masks = {shape: _as_allowed(None, q_len, kv_len, query.device)}
-            allowed = session.causal_masks[shape]
-        else:
-            allowed = _as_allowed(attention_mask, q_len, kv_len, query.device)
-        out = session.method.forward_attention(session, layer, query, key, value, allowed)
+        allowed = _as_allowed(attention_mask, q_len, kv_len, query.device)
+    out = session.method.forward_attention(session, layer, query, key, value, allowed)
     return out.transpose(1, 2).contiguous(), None  # (b, q, h, d)
 
 
@@ -599,6 +681,108 @@ def register_attention() -> None:
 
 
 CAPTURES = ("block_inputs", "attn_residuals")
+
+PADDED = ("a padded batch (an attention_mask with zeros): a KV method's store, budgets and statistics count every "
+          "position of its rows, so decode mode takes unpadded rows of one length; infinigen.generate runs a padded "
+          "batch as groups of equal-length prompts")
+
+
+def _decode_inputs(session: Session) -> Callable:
+    """A forward pre-hook of the whole model in decode mode: refuses, before anything runs, a forward whose rows are
+    padded or whose cache is not the session's (either would be computed silently wrong)."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+        if cache is not session.cache and len(args) < 2:  # (a cache passed by position: transformers' own order)
+            raise ValueError("decode mode: this forward does not go through the method's cache (pass the cache the "
+                             "session holds, e.g. the one `infinigen.apply` yields, or none to model.generate)")
+        mask = kwargs.get("attention_mask")
+        # checked at the prefill only (a decode step only appends ones to it): reading it back syncs the host
+        prefill = session.cache is None or not session.cache.layers or session.cache.layers[0].seen == 0
+        if prefill and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+            raise ValueError(PADDED)
+
+    return hook
+
+
+# ----------------------------------------------------------------------------------------------- model.generate
+
+# `model.generate` modes a KV method's cache runs (transformers' GenerationMode values): every one feeds the prompt
+# once, then one token per row and step; beam search reorders the rows (KVStore.reorder_cache)
+GENERATION_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def generation_config(model, kwargs: dict):
+    """The GenerationConfig a `model.generate(**kwargs)` call runs with: `kwargs["generation_config"]` or the model's
+    own, updated with the kwargs that name its fields (transformers' public GenerationConfig API; a copy)."""
+    import copy
+
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def check_generation(config, kwargs: dict | None = None) -> None:
+    """Refuses, in one line (ValueError), a generation a KV method's cache cannot run: assisted / prompt-lookup
+    decoding (a verify step of several tokens, then a rollback), prefill chunking (a prefill in pieces), another
+    cache (`cache_implementation`), no cache, a custom decoding loop and the modes transformers runs from the Hub
+    (contrastive search, DoLa, group / constrained beam search)."""
+    kwargs = kwargs or {}
+    assisted = [k for k in ASSISTED
+                if kwargs.get(k) not in (None, False) or getattr(config, k, None) not in (None, False)]
+    if assisted:
+        raise ValueError(f"{assisted[0]}: assisted / prompt-lookup decoding is not supported with a KV method (its "
+                         "verify step feeds several draft tokens at once and rolls back the rejected ones, which a "
+                         "cache that evicted or compressed its past cannot do)")
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("custom_generate: a custom decoding loop is not supported with a KV method")
+    if getattr(config, "prefill_chunk_size", None):
+        raise ValueError(f"prefill_chunk_size={config.prefill_chunk_size}: prefill chunking is not supported with a "
+                         "KV method (its prefill is one dense forward over the prompt, after which it compresses or "
+                         "indexes what it keeps)")
+    if config.cache_implementation is not None:
+        raise ValueError(f"cache_implementation={config.cache_implementation!r}: the KV method's cache is the cache")
+    if config.use_cache is False:
+        raise ValueError("use_cache=False: a KV method runs through its cache")
+    mode = getattr(config.get_generation_mode(), "value", None)
+    if mode not in GENERATION_MODES:
+        key = {"contrastive_search": "penalty_alpha", "dola_generation": "dola_layers", "group_beam_search":
+               "num_beam_groups", "constrained_beam_search": "force_words_ids"}.get(mode, "generation_config")
+        raise ValueError(f"{key}: {str(mode).replace('_', ' ')} is not supported with a KV method (supported: greedy "
+                         "decoding, sampling, beam search with or without sampling, num_return_sequences)")
+
+
+def max_length(config, prompt: int) -> int:
+    """The longest sequence a generation of a `prompt`-token input reaches (transformers' own rule: max_new_tokens
+    wins over max_length; neither set: 20 new tokens)."""
+    if config.max_new_tokens is not None:
+        return prompt + config.max_new_tokens
+    if config.max_length is not None:
+        return max(config.max_length, prompt + 1)
+    return prompt + 20
+
+
+@contextmanager
+def generate_hook(model, around: Callable[[Callable, tuple, dict], Any]):
+    """For the block, `model.generate(*args, **kwargs)` is `around(generate, args, kwargs)`, which checks the call
+    and runs transformers' own `generate`: an attribute of this model instance, removed on exit (transformers itself
+    is untouched)."""
+    own = model.__dict__.get("generate")
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        return around(original, args, kwargs)
+
+    generate.__doc__ = original.__doc__
+    model.__dict__["generate"] = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            model.__dict__.pop("generate", None)
+        else:
+            model.__dict__["generate"] = own
 
 
 def _residual_hooks(model, session: Session, captures) -> list[tuple[torch.nn.Module, Callable]]:
@@ -694,6 +878,8 @@ def install(model, method, mode: str = "sim", dense_rows: int = 0, cache: Cache 
     rotary = getattr(model.model, "rotary_emb", None)
     if any(layer.layer_type is not None for layer in layers) and rotary is not None:
         handles.append(rotary.register_forward_hook(rope_tables, with_kwargs=True))
+    if mode == "decode":
+        handles.append(model.register_forward_pre_hook(_decode_inputs(session), with_kwargs=True))
     session.model = model
     model.set_attn_implementation(ATTN_NAME)
     try:

@@ -22,6 +22,25 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 
+def conf_dir() -> Path:
+    """The config folder: `infinigen/conf` in an installed wheel (pyproject.toml packages conf/ there), the
+    checkout's `conf/` beside the package otherwise."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "method").is_dir() and (candidate / "model").is_dir():
+            return candidate
+    raise FileNotFoundError(f"no conf/ folder next to {here} (the package's configs are missing: reinstall it)")
+
+
+def method_of_target(target: str) -> str | None:
+    """The conf/method name whose `_target_` is `target` (None: no such config)."""
+    for path in sorted((conf_dir() / "method").glob("*.yaml")):
+        for line in path.read_text().splitlines():
+            if line.startswith("_target_:") and line.split(":", 1)[1].strip() == target:
+                return path.stem
+    return None
+
+
 @dataclass(frozen=True)
 class GgufPackage:
     """A GGUF model shipped on PyPI (`model.gguf_package` names its importable package): the distributions that

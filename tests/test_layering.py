@@ -18,8 +18,9 @@ from conftest import ROOT
 LAYERS = [
     # model access, contract, data, what a run computes
     ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora",
-                   "infinigen.semantic"]),
-    ("runtimes", ["infinigen.modes", "infinigen.offload"]),  # sim/decode driver, offloading runtime
+                   "infinigen.semantic", "infinigen.selected"]),
+    # sim/decode driver, offloading runtime, the Python API (methods built from conf/ by their _target_)
+    ("runtimes", ["infinigen.modes", "infinigen.offload", "infinigen.api"]),
     ("methods", ["infinigen.infinigen_method", "baselines"]),
     ("experiments", ["experiments", "analysis.store"]),  # tasks and the runner, which writes the results store
     ("analysis", ["analysis"]),
@@ -28,7 +29,7 @@ LAYERS = [
 PACKAGES = ("infinigen", "baselines", "experiments", "analysis")
 # modules that import lower layers inside functions on purpose (fast validation); never upward
 LAZY = {"experiments.runner", "experiments.ppl", "experiments.latency", "experiments.lm_eval",
-        "experiments.needle", "infinigen.adapter",
+        "experiments.needle", "experiments.generate", "infinigen.adapter",
         # commands that set their process up first (glibc's allocator is read at start: they re-execute
         # themselves before the stack is imported; bench_memory measures what the import itself costs)
         "experiments.calibrate", "experiments.validate_perf", "experiments.bench_memory",
