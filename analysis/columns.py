@@ -104,3 +104,8 @@ def models_by_size(names: Iterable[str]) -> list[str]:
     names = list(dict.fromkeys(names))
     return sorted(names, key=lambda n: (MODEL_ORDER.index(n) if n in MODEL_ORDER else len(MODEL_ORDER), names.index(n)))
 
+
+def ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Rows by model size (MODEL_ORDER), then by `by`."""
+    rank = {m: i for i, m in enumerate(models_by_size(df["model"]))}
+    return df.assign(_rank=df["model"].map(rank)).sort_values(["_rank", *by], kind="stable").drop(columns="_rank")

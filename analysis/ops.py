@@ -33,7 +33,9 @@ def _today(method: str) -> dict | None:
     path = ROOT / "conf" / "method" / f"{method}.yaml"
     if not path.exists():
         return None
-    return semantic_method(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    # resolved as bench_ops builds a method, with no model: InfiniGen's knobs at their value for no family
+    root = OmegaConf.create({"method": OmegaConf.load(path), "data_dir": None})
+    return semantic_method(OmegaConf.to_container(root, resolve=True)["method"])
 
 
 def _stale(row: pd.Series) -> bool:

@@ -5,8 +5,11 @@
 One line per stored row (ppl, lm_eval: one per lm-eval task, latency), per method setting for `accuracy` (lm-eval
 acc, one column per task), or per (model, dataset) for `eviction` (InfiniGen Table 2: perplexity by KV pool
 setting), per method setting for `successors` (its ppl and latency rows side by side), per method setting for
-`ruler` (RULER score, one column per task @ length; only the cells where full attention scores >= 0.1). `params` lists a method's KV-size hyperparameters and any
-other hyperparameter that differs between that method's rows in the table. kv_fraction is measured (share of
+`ruler` (RULER score, one column per task @ length; only the cells where full attention scores >= 0.1). `params` lists a
+method's KV-size hyperparameters and any other hyperparameter that differs between that method's rows in the table. No
+table merges rows whose configs differ: a task parameter that varies among rows which would otherwise read the same
+(task.dense_rows, task.stride, ...) gets a column of its own, and the tables that aggregate (eviction, accuracy,
+successors, ruler) group by every parameter that varies. kv_fraction is measured (share of
 cached entries attended); rel. KV size = kv_fraction x entry size vs 16 bits (quant: bits/16); recall
 (InfiniGen / oracle) is the share of the true attention mass carried by the tokens a method fetched; byte counts appear when the task
 reported them.
@@ -20,36 +23,14 @@ import math
 
 import pandas as pd
 
-from analysis import store
-from analysis.columns import bytes_ratio, column, metric, models_by_size, param_columns, short, size_params
+from analysis import paired, store
+from analysis.columns import bytes_ratio, column, metric, ordered, param_columns, short, size_params  # noqa: F401
+from analysis.apart import (IGNORED_TASK_PARAMS, PPL_SHOWN, _missing, apart, as_text, config_columns, fmt,  # noqa: F401
+                            key_params, label, shown, varying)
 from analysis.figures.ruler import ruler_cells
 from analysis.figures.table2 import eviction_rows
 
-TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors", "ruler")
-
-
-def key_params(df: pd.DataFrame) -> pd.Series:
-    """Per row: the method's KV-size hyperparameters plus those that vary among its rows here."""
-    out = pd.Series("", index=df.index, dtype=object)
-    for method, rows in df.groupby("method", sort=False):
-        cols = [c for c in param_columns(rows) if rows[c].notna().any()]
-        keep = [c for c in cols if c.split(".", 1)[1] in size_params(method, rows)
-                or rows[c].map(short).nunique(dropna=False) > 1]
-        for i, row in rows.iterrows():
-            out[i] = ", ".join(f"{c.split('.', 1)[1]}={short(row[c])}" for c in keep if not _missing(row[c]))
-    return out
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def fmt(value) -> str:
-    if _missing(value):
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
-    return str(value).replace("|", "\\|")
+TABLES = ("ppl", "lm_eval", "accuracy", "latency", "eviction", "successors", "ruler", "paired")
 
 
 def markdown(df: pd.DataFrame, right: set[str] = frozenset()) -> str:
@@ -58,11 +39,6 @@ def markdown(df: pd.DataFrame, right: set[str] = frozenset()) -> str:
     rule = "|" + "|".join("---:" if c in right else "---" for c in df.columns) + "|"
     body = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
-
-
-def ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    rank = {m: i for i, m in enumerate(models_by_size(df["model"]))}
-    return df.assign(_rank=df["model"].map(rank)).sort_values(["_rank", *by], kind="stable").drop(columns="_rank")
 
 
 def bytes_columns(df: pd.DataFrame) -> dict[str, pd.Series]:
@@ -100,10 +76,16 @@ def ppl_table(df: pd.DataFrame) -> pd.DataFrame:
         "ppl": metric(rows, "ppl"),
         **kv_columns(rows),
     })
-    return ordered(out, ["dataset", "data", "seq_len", "method", "params"])
+    extra = apart(out, rows, ["model", "method", "params", "dataset", "data", "seq_len", "windows"], PPL_SHOWN)
+    return ordered(out, ["dataset", "data", "seq_len", *extra, "method", "params"])
 
 
 def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
+    return lm_eval_lines(df)[0]
+
+
+def lm_eval_lines(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The lm_eval table and the config columns it added to keep rows apart."""
     rows = df[df["task"] == "lm_eval"]
     out = pd.DataFrame(base(rows) | {
         "task": column(rows, "metrics.task"),
@@ -118,7 +100,8 @@ def lm_eval_table(df: pd.DataFrame) -> pd.DataFrame:
         "word ppl": metric(rows, "word_perplexity"),
         **kv_columns(rows),
     })
-    return ordered(out, ["task", "shots", "method", "params"])
+    extra = apart(out, rows, ["model", "method", "params", "task", "data", "shots", "protocol", "limit"])
+    return ordered(out, ["task", "shots", *extra, "method", "params"]), extra
 
 
 def latency_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -135,35 +118,40 @@ def latency_table(df: pd.DataFrame) -> pd.DataFrame:
         **bytes_columns(rows),
         "device": column(rows, "meta.device"),
     })
-    return ordered(out, ["batch", "prompt", "method", "params"])
+    extra = apart(out, rows, ["model", "method", "params", "batch", "prompt", "gen", "device"], after="gen")
+    return ordered(out, ["batch", "prompt", *extra, "method", "params"])
 
 
 def eviction_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = eviction_rows(df)
     if rows.empty:
         return pd.DataFrame(columns=["model", "method", "params", "dataset", "seq_len"])
-    fixed = [c for c in param_columns(rows) if c.split(".", 1)[1] not in ("capacity", "eviction")]
-    rows = rows.assign(params=rows[fixed].apply(
-        lambda r: ", ".join(f"{c.split('.', 1)[1]}={short(r[c])}" for c in fixed if not _missing(r[c])
-                            and c.split(".", 1)[1] in size_params("infinigen", rows) | {"partial_ratio"}), axis=1),
-        seq_len=metric(rows, "seq_len").astype("Int64"))
-    wide = rows.pivot_table(index=["model", "method", "params", "dataset", "seq_len"], columns="pool", values="ppl",
-                            aggfunc="mean").reset_index()
+    # one line per group (eviction_rows: every parameter but the pool's alike), its InfiniGen hyperparameters in
+    # `params` (those that vary among the groups included) and a column for each other task parameter that varies
+    tasks = [c for c in varying(rows) if c.startswith("task_params.")
+             and c not in ("task_params.dataset", "task_params.seq_len")]
+    extra = [label(c) if label(c) not in ("model", "method", "params", "dataset", "seq_len") else c for c in tasks]
+    rows = rows.assign(seq_len=metric(rows, "seq_len").astype("Int64"),
+                       **{name: shown(rows[c]).map(fmt) for name, c in zip(extra, tasks)})
+    index = ["model", "method", "params", "dataset", "seq_len", *extra]
+    wide = rows.pivot_table(index=[*index, "group"], columns="pool", values="ppl", aggfunc="mean").reset_index()
     pools = ["pool 100%"] + sorted(c for c in wide.columns if str(c).startswith("pool ") and c != "pool 100%")
-    wide = wide[["model", "method", "params", "dataset", "seq_len", *[p for p in pools if p in wide.columns]]]
+    wide = wide[[*index, *[p for p in pools if p in wide.columns]]]
     wide.columns.name = None
-    return ordered(wide, ["dataset", "params"])
+    return ordered(wide, ["dataset", *extra, "params"])
 
 
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """lm_eval accuracy, one line per method setting (and shots, protocol, limit), one column per task (acc; the
     mean over the tasks last), with the setting's kv_fraction averaged over its tasks."""
-    long = lm_eval_table(df)
+    long, extra = lm_eval_lines(df)
     long = long[long["acc"].notna()]
     if long.empty:
         return pd.DataFrame(columns=["model", "method", "params"])
     long = long.assign(limit=long["limit"].astype(str))  # a missing limit (every doc) stays a group: "<NA>"
-    index = ["model", "method", "params", "shots", "protocol", "limit"]
+    # a config column that keeps rows apart (lm_eval_lines) splits the settings too; as text, so a gap is a group
+    long = long.assign(**{c: long[c].map(fmt) for c in extra})
+    index = ["model", "method", "params", "shots", "protocol", "limit", *extra]
     wide = long.pivot_table(index=index, columns="task", values="acc", aggfunc="mean").reset_index()
     tasks = sorted(long["task"].unique())
     wide["mean acc"] = wide[tasks].mean(axis=1)
@@ -207,8 +195,11 @@ def successors_table(df: pd.DataFrame) -> pd.DataFrame:
         "device KV MiB": metric(lat, "device_kv_bytes") / 2**20,
         "host pool MiB": metric(lat, "host_pool_bytes") / 2**20,
     })
+    extra = apart(left, ppl, ["model", "method", "params", "prompt", "windows"])
+    lat_extra = apart(right, lat, ["model", "method", "params"])
+    right = right.rename(columns={c: f"latency {c}" for c in lat_extra})
     out = left.merge(right, on=["model", "method", "params"], how="outer")
-    return ordered(out, ["method", "kv_fraction"])
+    return ordered(out, ["method", *extra, *(f"latency {c}" for c in lat_extra), "kv_fraction"])
 
 
 def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -222,12 +213,13 @@ def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
     wide = cells.pivot_table(index=["model", "setting"], columns="cell", values="score").reset_index()
     info = cells.groupby(["model", "setting"], as_index=False).agg(kv_fraction=("kv_fraction", "mean"),
                                                                    mean_score=("score", "mean"))
-    out = info.merge(wide, on=["model", "setting"]).rename(columns={"setting": "method"})
-    return out.sort_values(["model", "kv_fraction"], ascending=[True, False])
+    out = info.merge(wide, on=["model", "setting"]).rename(columns={"setting": "method",
+                                                                    "mean_score": "mean score (0-1)"})
+    return out.sort_values(["model", "kv_fraction", "method"], ascending=[True, False, True])
 
 
 BUILDERS = {"ppl": ppl_table, "lm_eval": lm_eval_table, "accuracy": accuracy_table, "latency": latency_table,
-            "eviction": eviction_table, "successors": successors_table, "ruler": ruler_table}
+            "eviction": eviction_table, "successors": successors_table, "ruler": ruler_table, "paired": paired.table}
 TEXT = {"model", "method", "params", "dataset", "data", "task", "protocol", "device"}
 
 

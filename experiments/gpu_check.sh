@@ -78,6 +78,9 @@ case "$mode" in
   *) echo "usage: bash experiments/gpu_check.sh [OUT | --sim [OUT] | --cpu-smoke [OUT] | --fetch-wheels]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
+# the code this run measures: its rows are compared with the commit (docs/results.md, the GPU section)
+{ git rev-parse HEAD 2>/dev/null || echo "not a git checkout"; git status --porcelain --untracked-files=no 2>/dev/null; } \
+  > "$OUT/commit.txt"
 # each mode starts its own rows afresh (the writers append) and leaves the other mode's in OUT
 [ "$mode" = --sim ] || rm -f "$OUT/latency.jsonl" "$OUT/latency_modelled.jsonl"
 case "$mode" in --sim | --cpu-smoke) rm -f "$OUT/sim_seconds.jsonl" ;; esac

@@ -7,6 +7,9 @@ explain each.
     python -m experiments.validate_gpu --rows OUT/latency.jsonl --profile OUT/profile.yaml --census live \
         --out OUT/latency_modelled.jsonl            # rows measured by this checkout's runtime (gpu_check.sh)
     python -m experiments.validate_gpu --census-from /path/to/checkout --write-census docs/gpu/census_2f67c00.json
+    python -m experiments.validate_gpu --store docs/store   # both committed runs (RUNS), each row with the model
+                                                    # beside it, the commit it ran at and the code changed since,
+                                                    # as store rows for the report (make validate-gpu)
 
 Measured rows are experiments/latency.py's JSONL lines (`row`, `decode_ms_median`, `h2d_bytes_per_token`, the
 runtime's segment times). Each is modelled (infinigen/offload/perf.py) at its own batch, prompt, generated and
@@ -17,11 +20,20 @@ the model reads of it, with the layers' kinds and the speculation point it decla
 with the rows it moved: its measured host->device bytes per step over its gathering layers' rows.
 
 Everything printed under "modelled" is the model's; "measured" columns are the row's own.
+
+A store row (`--store`; metrics.benchmark = gpu, task gpu_latency) keeps the measured row as it is, the model's
+ms/token, ratio and terms (`modelled_perf*`), the profile and census that modelled it and, where the device wrote
+one, its own model of the row at the run (`modelled_at_run_ms_per_token`). Its meta says what ran it (`git_commit`:
+neither committed run recorded one, both are 2f67c00 with uncommitted changes: `code`), and, as git gives them when
+the rows are written (`modelled_commit`), the runtime's files changed since (`runtime_changed_since`, from
+`code_since`) and the performance model's lines changed since that commit and since the store's CPU validation
+(`model_changed_since`): the report cannot run git.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -47,6 +59,40 @@ ROWS_2F67C00 = {
     "infinigen": ("infinigen", {"alpha": 4.0, "partial_ratio": 0.2, "budget": 0.2}, {}),
 }
 WITHIN = 0.25
+SECOND_ROWS = GPU / "run_20261204" / "latency.jsonl"
+# the committed GPU runs as `--store` writes them: what ran them, on what, and how each is modelled. Neither run
+# recorded its commit; both are this project's code on top of 2f67c00 with uncommitted changes:
+RUNS = {
+    FIRST_ROWS: {
+        "run": "first run", "order": 1, "commit": "2f67c00284b1627c085ba623baaff043eb1535d3-dirty",
+        "code": "2f67c00 + 1 line (select_evict.py:54: masked scores filled with the dtype's min)",
+        # the runtime that ran is 2f67c00's but for that line: what changed after 2f67c00 did not run
+        "since": "2f67c00", "also": None,
+        "profile": FIRST_PROFILE, "census": FIRST_CENSUS, "gather_threads": FIRST_GATHER_THREADS, "at_run": None,
+        "device": "NVIDIA H200 (143,771 MiB, PCIe 5.0 x16), 16 host cores", "threads": 16,
+        "versions": {"torch": "2.11.0+cu130", "transformers": "5.24.0"},  # docs/gpu/h200_device.txt
+        "measured": "2026-12-04", "log": "docs/gpu/README.md",
+    },
+    SECOND_ROWS: {
+        "run": "run_20261204", "order": 2, "commit": "2f67c00284b1627c085ba623baaff043eb1535d3-dirty",
+        "code": "2f67c00 + the uncommitted GPU rewrite (committed with two later changes as aed9c9d)",
+        # the tree that ran was never committed: aed9c9d is it plus the two changes below, none of which ran
+        "since": "aed9c9d",
+        "also": "aed9c9d itself adds two changes made after the run (the gather on the fetch worker's intra-op "
+                "threads; fewer ops per gathering layer)",
+        # no census of the tree that ran was kept: this checkout's (live); the device's own model of that tree, on
+        # the profile it had just measured, is in latency_modelled.jsonl
+        "profile": ROOT / "conf" / "hardware" / "h200_pcie5_calibrated.yaml", "census": "live", "gather_threads": None,
+        "at_run": GPU / "run_20261204" / "latency_modelled.jsonl",
+        "device": "NVIDIA H200 (143,771 MiB, PCIe 5.0 x16), 16 host cores", "threads": 16,
+        "versions": {"torch": "2.11.0+cu130", "transformers": "5.24.0"},  # gpu_check.log
+        "measured": "2026-12-04", "log": "docs/gpu/run_20261204/gpu_check.log",
+    },
+}
+# the performance model's own code (it reads a census; it never runs on the device), apart from the runtime's
+MODEL_FILES = ("infinigen/offload/perf.py", "infinigen/offload/census.py", "infinigen/offload/paper.py")
+# where the code a GPU run executes lives: the runtime, the methods, the latency task
+RUNTIME_PATHS = ("infinigen", "baselines", "experiments/latency.py")
 
 
 def read_rows(paths: list[str]) -> list[dict]:
@@ -297,6 +343,147 @@ def validate(rows: list[str] | None = None, profile: str | None = None, census: 
     return [(row, model_row(row, hw_cfg, table_[row["row"]], census_file, host_gbps)) for row in measured], header
 
 
+# ----------------------------------------------------------------------------------------------- store rows
+
+
+def git(*args: str) -> str | None:
+    """git's output in this checkout; None where git or the history it needs is missing."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def modelled_commit() -> str:
+    """HEAD, `-dirty` when a file the modelled numbers read (runtime, methods, configs, this script) is changed."""
+    head = (git("rev-parse", "HEAD") or "").strip() or "unknown"
+    dirty = (git("status", "--porcelain", "--untracked-files=no", "--", *RUNTIME_PATHS, "conf",
+                 "experiments/validate_gpu.py") or "").strip()
+    return head + ("-dirty" if dirty else "")
+
+
+def runtime_changed(since: str) -> list[str] | None:
+    """The runtime's and the methods' files (the performance model's aside) changed from `since` to HEAD (None:
+    git cannot tell, e.g. a checkout without that commit)."""
+    names = git("diff", "--name-only", since, "HEAD", "--", *RUNTIME_PATHS)
+    return None if names is None else sorted(n for n in names.split() if n not in MODEL_FILES)
+
+
+def model_changed(since: str) -> dict[str, list[int]] | None:
+    """The performance model's files changed from `since` to HEAD: {file: [lines added, lines deleted]} (None: git
+    cannot tell)."""
+    text = git("diff", "--numstat", since, "HEAD", "--", *MODEL_FILES)
+    if text is None:
+        return None
+    out = {}
+    for line in text.splitlines():
+        added, deleted, name = line.split("\t")
+        out[name] = [int(added), int(deleted)]
+    return out
+
+
+def cpu_validation_commits(results: str | Path) -> list[str]:
+    """The commits (7 hex digits) of the store's CPU validation rows (experiments/validate_perf.py)."""
+    from analysis.store import rows_dir
+
+    found = set()
+    for path in rows_dir(results).glob("*.jsonl"):
+        first = path.read_text().split("\n", 1)[0]
+        if '"validation_point"' not in first:
+            continue
+        row = json.loads(first)
+        if "validation_point" in (row.get("metrics") or {}):
+            meta = row.get("meta") or {}
+            found |= {c[:7] for c in (meta.get("git_commit"), meta.get("measured_commit")) if isinstance(c, str)}
+    return sorted(found)
+
+
+def rel(path) -> str:
+    path = Path(path)
+    return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
+
+
+def gpu_rows(source: Path, run: dict, results: str | Path) -> list[dict]:
+    """One store row per measured row of a committed GPU run: the row as measured, the model's number beside it
+    (this checkout's model, the run's profile and census), the commit it ran at, and what changed since."""
+    census_arg = str(run["census"])
+    census_file = None if census_arg == "live" else json.loads(Path(census_arg).read_text())
+    table_ = row_table(census_file)
+    results_, header = validate([str(source)], str(run["profile"]), census_arg, run["gather_threads"])
+    at_run = {r["row"]: r for r in read_rows([str(run["at_run"])])} if run["at_run"] else {}
+    census = ("live: this checkout's runtime counted by its census (no census of the code that ran was kept)"
+              if census_file is None else
+              f"{rel(census_arg)}: the code that ran ({census_file.get('code', {}).get('checkout', '?')}), counted by "
+              "this checkout's census")
+    since = {c: model_changed(c) for c in sorted({run["since"], *cpu_validation_commits(results)})}
+    meta = {"git_commit": run["commit"], "code": run["code"], "code_since": run["since"], "code_also": run["also"],
+            "device": "cuda", "gpu": run["device"], "threads": run["threads"], "versions": run["versions"],
+            "measured": run["measured"], "log": run["log"], "modelled_commit": modelled_commit(),
+            "runtime_changed_since": runtime_changed(run["since"]), "model_changed_since": since,
+            "cpu_validation_commits": cpu_validation_commits(results)}
+    out = []
+    for index, (row, m) in enumerate(results_):
+        conf, overrides, task = table_[row["row"]]
+        measured = {k: v for k, v in row.items() if k != "row"}
+        shape = {k: row[k] for k in ("batch_size", "prompt_len", "gen_len", "measured_steps") if k in row}
+        config = {"benchmark": "gpu", "source": rel(source), "row": row["row"],
+                  "model": {"name": row["model"], "dtype": row.get("dtype"), "random_init": row.get("random_init")},
+                  "method": {"name": conf, **overrides}, "task": {"name": "gpu_latency", **shape, **task},
+                  "profile": rel(run["profile"]), "census": census_arg if census_file is None else rel(census_arg),
+                  "gather_threads": run["gather_threads"]}
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        device = at_run.get(row["row"], {})
+        metrics = {**measured, "benchmark": "gpu", "run": run["run"], "run_order": run["order"],
+                   "source": rel(source), "gpu_row": row["row"], "row_index": index,
+                   "modelled_perf_ms_per_token": m["decode_ms_median"],
+                   "modelled_perf_to_measured": m["decode_ms_median"] / row["decode_ms_median"],
+                   "modelled_perf": m, "modelled_profile": rel(run["profile"]), "modelled_census": census,
+                   "modelled_gather_threads": run["gather_threads"], "modelled_header": header.replace(
+                       str(ROOT) + "/", "").lstrip("# "),
+                   "modelled_at_run_ms_per_token": device.get("modelled_perf_ms_per_token"),
+                   "modelled_at_run_profile": (device.get("modelled_perf") or {}).get("profile")}
+        out.append({"config_hash": digest, "model": row["model"], "method": conf, "task": "gpu_latency", "data": {},
+                    "method_params": {"name": conf, **overrides},
+                    "task_params": {"name": "gpu_latency", **shape, **task}, "metrics": metrics, "config": config,
+                    "meta": meta})
+    return out
+
+
+def write_store(results: str | Path) -> list[Path]:
+    """Each committed GPU run's rows into the store `results` (one file per row: `<hash>__<UTC time>.jsonl`), as
+    script rows (metrics.benchmark = gpu; the report's "C7. Speed measured on a GPU"). A row whose file already
+    holds the same text is left alone; older files of a row, and rows of these runs no longer produced (another
+    profile or census), are removed."""
+    from datetime import datetime, timezone
+
+    from analysis.store import rows_dir
+
+    folder = rows_dir(results)
+    folder.mkdir(parents=True, exist_ok=True)
+    written, keep = [], set()
+    for source, run in RUNS.items():
+        for row in gpu_rows(source, run, results):
+            text = json.dumps(row, sort_keys=True, default=str) + "\n"
+            digest = row["config_hash"]
+            files = sorted(folder.glob(f"{digest}__*.jsonl"))
+            same = [f for f in files if f.read_text() == text]
+            if same:
+                keep.add(same[-1].name)
+            else:
+                stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+                path = folder / f"{digest}__{stamp}.jsonl"
+                path.write_text(text)
+                written.append(path)
+                keep.add(path.name)
+    sources = {rel(source) for source in RUNS}
+    for path in sorted(folder.glob("*.jsonl")):
+        if path.name in keep or '"benchmark": "gpu"' not in (first := path.read_text().split("\n", 1)[0]):
+            continue
+        if (json.loads(first).get("metrics") or {}).get("source") in sources:
+            path.unlink()  # an older file of a row, or a row these runs no longer produce
+    return written
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=None, help="measured latency JSONL (default: docs/gpu's batch-20 rows)")
@@ -310,6 +497,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write each measured row with its modelled_* metrics (JSONL)")
     p.add_argument("--markdown", default=None, metavar="DOC",
                    help="also write the table into DOC's <!-- validate_gpu:ROWS --> block (ROWS: the rows file)")
+    p.add_argument("--store", default=None, metavar="DIR",
+                   help="instead: write every committed GPU run (RUNS: docs/gpu's batch-20 rows and run_20261204) "
+                        "with the model beside each row into the results store DIR (the report reads docs/store)")
     p.add_argument("--census-from", default=None, help="a checkout whose runtime the census file describes")
     p.add_argument("--write-census", default=None, help="with --census-from: the census file to write")
     p.add_argument("--dump-census", default=None, help=argparse.SUPPRESS)
@@ -320,6 +510,12 @@ def main(argv=None) -> int:
     if args.dump_census:
         dump_census(args.dump_census, read_rows(rows_paths), ROWS_2F67C00 if args.table == "2f67c00" else
                     row_table(None))
+        return 0
+    if args.store:
+        if args.rows or args.profile or args.census or args.markdown or args.out:
+            p.error("--store models the committed runs (RUNS) each as it was run; a new run: add it to RUNS")
+        for path in write_store(args.store):
+            print(f"-> {path}")
         return 0
     if args.census_from:
         if not args.write_census:

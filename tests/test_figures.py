@@ -306,7 +306,8 @@ def test_empty_figures_name_the_preset_to_run():
 def test_markdown_tables(synthetic, table, capsys):
     tables.main(["--results", str(synthetic), "--table", table])
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("| model | method |") and set(out[1]) <= {"|", "-", ":", " "}
+    assert out[0].startswith("| model | method |" if table != "paired" else "| model | task | method |")
+    assert set(out[1]) <= {"|", "-", ":", " "}
     assert len(out) > 3
 
 
@@ -392,6 +393,14 @@ def yaml_of(group: str, name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
 
 
+def number(value: str):
+    """A swept value as Hydra reads it: a number where it is one (speculate_from=previous stays text)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def preset_rows(preset: str) -> list[list[dict]]:
     """The runs `python run.py -m +experiment=<preset>` writes, shaped as real rows: each point's method and the
     preset's task settings (read from the YAML files, as Hydra composes them) on a real run's row of that
@@ -410,7 +419,7 @@ def preset_rows(preset: str) -> list[list[dict]]:
             method_name = next(v for e in p["defaults"] for k, v in e.items() if k.endswith("/method"))
             method = p.get("method", {})
         method = yaml_of("method", method_name) | method
-        method |= {k.split(".", 1)[1]: float(v) for k, v in point.items() if k.startswith("method.")}
+        method |= {k.split(".", 1)[1]: number(v) for k, v in point.items() if k.startswith("method.")}
         task_point = task | {k.split(".", 1)[1]: int(v) if v.isdigit() else v for k, v in point.items()
                              if k.startswith("task.")}
         model = yaml_of("model", point.get("model", chosen.get("model", "smollm2-135m")))["name"]

@@ -6,6 +6,7 @@ detail; the README stays a guide (<= 350 lines, no pasted result tables)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -162,20 +163,34 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
     common = {"kv_fraction": kv, "recall": 0.8 + 0.15 * kv if "budget" in params else None}
     if task["name"] == "ppl":
         chunks = {str(p): loss + 0.1 * (p // 256 % 3) for p in range(0, task["seq_len"], 256)}
+        windows = range(task.get("skip_windows", 0), task.get("skip_windows", 0) + task["max_windows"])
+        per = [loss * (1 + 0.01 * (w % 3)) * (task["seq_len"] - 1) for w in windows]  # each window's summed NLL
+        units = {"id": [w * task["seq_len"] for w in windows], "nll": per, "tokens": [task["seq_len"] - 1] * len(per)}
         return [common | {"ppl": 2.718 ** loss, "nll": loss, "windows": task["max_windows"],
-                          "seq_len": task["seq_len"], "nll_by_chunk": chunks}]
+                          "seq_len": task["seq_len"], "nll_by_chunk": chunks, "units": units}]
     if task["name"] == "lm_eval" and ruler_names(task["tasks"]):  # one row per (task, length); full fails cwe
         return [common | {"benchmark": "ruler", "task": name, "length": n, "n": task["limit"],
                           "score": 0.0 if name == "ruler_cwe" else round(min(1.0, 0.3 + kv), 2)}
                 for name in ruler_names(task["tasks"]) for n in task["max_seq_lengths"]]
     if task["name"] == "lm_eval":
-        return [common | {"task": name, "acc": round(0.4 + 0.4 * kv, 2), "acc_stderr": 0.02, "n": task["limit"],
-                          "limit": task["limit"], "num_fewshot": task["num_fewshot"], "protocol": task["protocol"]}
+        acc = round(0.4 + 0.4 * kv, 2)
+        right = round(acc * task["limit"])  # the first `right` docs right: full's right docs include the method's
+        return [common | {"task": name, "acc": acc, "acc_stderr": 0.02, "n": task["limit"],
+                          "limit": task["limit"], "num_fewshot": task["num_fewshot"], "protocol": task["protocol"],
+                          "units": {"id": list(range(task["limit"])),
+                                    "acc": [float(d < right) for d in range(task["limit"])]}}
                 for name in task["tasks"]]
     if task["name"] == "needle":
         cells = [{"length": n, "depth": d, "accuracy": float(kv > 0.5 or d == 1.0), "loglik": -1.0, "n": task["seeds"]}
                  for n in task["lengths"] for d in task["depths"]]
         return [common | {"accuracy": sum(c["accuracy"] for c in cells) / len(cells), "cells": cells}]
+    if task["name"] == "generate":
+        n = task["num_prompts"]
+        agree = 1.0 if method == "full" else round(kv, 2)
+        return [common | {"agreement": agree, "exact": float(agree == 1.0), "first_divergence": None if agree == 1.0
+                          else 3.0, "prompts": n, "new_tokens": float(task["max_new_tokens"]),
+                          "units": {"id": list(range(n)), "agreement": [agree] * n},
+                          "texts": {"prompt": ["p"] * n, "full": ["a b c"] * n, "method": ["a b d"] * n}}]
     if task["name"] == "latency":
         ms = 20.0 + 80.0 * kv * task["batch_size"] * task["prompt_len"] / 384
         return [common | {"decode_ms_median": ms, "modelled_decode_ms_per_token": ms * 1.1,
@@ -213,7 +228,8 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     # the speed sections read the performance model's own metrics (terms, validation ratios), which synthetic
     # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
     # (tests/test_figures.py)
-    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim", "gemma3_speed"}
+    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim", "gemma3_speed",
+                "gpu_measured"}
     missing = [s.title for s in report.discover() if s.slug not in own_rows
                and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
@@ -232,7 +248,7 @@ def test_a_partial_store_still_renders_with_missing_configs_named(tmp_path):
     synthetic_store(tmp_path / "store", keep=lambda i: i % 2 == 1 and i not in first)
     text = (regenerate(tmp_path / "gen", tmp_path / "store") / "results.md").read_text()
     # the op census sections are filled by a script (make bench-ops), never by a run config: no Missing line
-    assert text.count("Missing (run, then `make export report`)") >= len(report.discover()) - 4
+    assert text.count("Missing (run, then `make export report`)") >= len([s for s in report.discover() if s.commands])
 
 
 def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
@@ -260,13 +276,16 @@ def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
 
 
 def ppl_run(path: Path, digest: str, method: str, params: dict, ppl: float, kv: float = 1.0, threads: int = 1,
-            wall_s: float = 105.0, model: str = "smollm2-135m") -> None:
+            wall_s: float = 105.0, model: str = "smollm2-135m", windows: int = 1) -> None:
+    """A ppl run's row; over several windows each window's NLL varies by +-1% around the run's (paired units)."""
+    nll = [math.log(ppl) * 1023 * (1 + 0.01 * ((w % 3) - 1)) for w in range(windows)]
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": model, "method": method, "task": "ppl",
         "method_params": {"name": method, **params},
-        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": 1},
-        "metrics": {"ppl": ppl, "kv_fraction": kv, "windows": 1, "seq_len": 1024}, "config": {},
-        "meta": {"device": "cpu", "threads": threads, "wall_s": wall_s, "load_s": 5.0}}])
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": windows},
+        "metrics": {"ppl": ppl, "kv_fraction": kv, "windows": windows, "seq_len": 1024,
+                    "units": {"id": [1024 * w for w in range(windows)], "nll": nll, "tokens": [1023] * windows}},
+        "config": {}, "meta": {"device": "cpu", "threads": threads, "wall_s": wall_s, "load_s": 5.0}}])
 
 
 def test_sim_cost_ratios_only_against_full_at_the_same_thread_count(tmp_path):
@@ -313,13 +332,12 @@ def test_gemma3_speed_reads_each_models_shape_from_its_config():
     the bytes full offload moves from the model, and the comparison line naming both."""
     rows = matching.match(matching.load(DOCS / "store"), gemma3_speed.SECTION.commands).rows
     lines = gemma3_speed.verdict(rows)
-    assert lines[0].startswith("smollm2-135m (30 layers x 3 KV head(s) x 64, bfloat16; every layer global): "
-                               "K|V 22.5 KB")
-    assert lines[1].startswith("gemma3-270m (18 layers x 1 KV head(s) x 256, bfloat16; 15 local layers with a "
-                               "512-token window): K|V 18 KB")
-    assert lines[2].startswith("what the shape does: gemma3-270m's single KV head and local windows")
+    assert lines[0].startswith("smollm2-135m (30 layers x 3 KV head(s) x 64, bfloat16; every layer global): K|V 22.5 KiB")
+    assert lines[2].startswith("gemma3-270m (18 layers x 1 KV head(s) x 256, bfloat16; 15 local layers with a "
+                               "512-token window): K|V 18 KiB")
+    assert lines[4].startswith("what the shape does: gemma3-270m's single KV head and local windows")
     table = gemma3_speed.table(rows)
-    sent = table[table["method"] == "offload"].set_index("model")["MB per step"]
+    sent = table[table["method"] == "offload"].set_index("model")["MiB per step"]
     # per batch row: smollm2 sends 4096 positions x 22.5 KB; gemma3 1 KB per layer and position, of 4096 positions
     # on its 3 global layers and at most 511 on its 15 local ones
     assert sent["gemma3-270m"] / sent["smollm2-135m"] == pytest.approx((3 * 4096 + 15 * 511) / (4096 * 22.5), rel=0.01)
@@ -356,8 +374,7 @@ def test_make_smoke_draws_the_modelled_speed_figure_beside_the_measured_ones(tmp
 # the claims whose verdicts report InfiniGen at a setting (c7_modelled models OPT-13B at the paper's values, the
 # recommended ones for OPT; c7_validation checks the performance model, whatever the setting)
 CLAIMS = ("c1_accuracy", "c2_baselines", "c3_position", "c4_skewing", "c5_eviction", "c6_ablation", "c7_speed")
-LEAD = ("at the recommended setting for smollm2-135m (skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from "
-        "block_input")
+LEAD = f"at the recommended setting for smollm2-135m ({recommended.describe(recommended.LLAMA)}"
 
 
 def first_lines(text: str) -> dict[str, str]:
@@ -398,25 +415,28 @@ def test_every_claim_leads_with_the_recommended_setting(regenerated, tmp_path):
 def test_the_checker_catches_a_first_line_at_the_papers_setting():
     line = "infinigen (skip_layers=1, partial_ratio=0.2) at measured kv_fraction >= 10%: at most 457% above full's"
     assert at_a_setting_other_than_recommended(line) == ["skip_layers=1", "partial_ratio=0.2"]
-    assert at_a_setting_other_than_recommended(LEAD + "; docs/methods.md): 12.4% above") == []
+    assert at_a_setting_other_than_recommended(LEAD + "; selected on held-out windows): 12.4% above") == []
 
 
 def test_the_docs_recommend_the_setting_the_report_leads_with():
     flat = lambda path: " ".join((ROOT / path).read_text().split())  # noqa: E731
-    llama = recommended.LLAMA
-    assert (f"`speculate_from=block_input` with `skip_layers={llama['skip_layers']}, alpha={llama['alpha']:g}, "
-            f"partial_ratio={llama['partial_ratio']:g}`") in flat("docs/methods.md")
-    assert (f"skip_layers={llama['skip_layers']} alpha={llama['alpha']:g} partial_ratio={llama['partial_ratio']:g} "
-            "speculate_from=block_input") in flat("README.md")
-    import yaml
-    defaults = yaml.safe_load((ROOT / "conf" / "method" / "infinigen.yaml").read_text())
+    for family, setting in (("Llama", recommended.LLAMA), ("Gemma 3", recommended.SELECTED["gemma3_text"])):
+        words = (f"skip_layers={setting['skip_layers']} alpha={setting['alpha']:g} "
+                 f"partial_ratio={setting['partial_ratio']:g} speculate_from={setting['speculate_from']}")
+        assert f"{family}: `{words}`" in flat("docs/methods.md"), family
+        assert f"{family}: `{words}`" in flat("README.md"), family
+    from omegaconf import OmegaConf
+
+    # with no model (a method built on its own) the knobs resolve to the paper's values; per family: test_evidence.py
+    alone = OmegaConf.create({"data_dir": None, "method": OmegaConf.load(ROOT / "conf" / "method" / "infinigen.yaml")})
+    defaults = OmegaConf.to_container(alone, resolve=True)["method"]
     assert {k: defaults[k] for k in recommended.KEYS} == recommended.PAPER
 
 
 def test_c1_leads_with_the_recommended_rows_whatever_order_the_rows_come_in(tmp_path):
-    """The paper's rows sort first in the store and are worse: the first line is still the recommended setting's,
-    and the paper's defaults get a finding line with the recall that explains them; without recommended rows the
-    first line says so."""
+    """The paper's rows sort first in the store and are worse: the first line is still the recommended setting's
+    (the paired 16-window comparison, or the command that adds it), the one-window rows follow, and the paper's
+    defaults get a finding line with the recall that explains them."""
     ppl_run(tmp_path, "0" * 16, "full", {}, 14.0)
     paper = {"alpha": 4.0, "partial_ratio": 0.2, "skip_layers": 1, "speculate_from": "previous"}
     for i, budget in enumerate((0.1, 0.2)):
@@ -425,24 +445,36 @@ def test_c1_leads_with_the_recommended_rows_whatever_order_the_rows_come_in(tmp_
     assert lines[0].startswith(LEAD) and "not in the store yet" in lines[0]
     ppl_run(tmp_path, "f" * 16, "infinigen", recommended.LLAMA | {"budget": 0.1}, 15.8, kv=0.17)
     lines = c1_accuracy.ppl_lines(matching.load(tmp_path))
-    assert lines[0].startswith(LEAD) and "at most 12.9% above full's 14" in lines[0], lines[0]
-    assert lines[-1].startswith("finding: the paper's OPT defaults (skip_layers 1, alpha 4, partial_ratio 0.2"), lines
+    assert lines[0].startswith(LEAD) and "not in the store yet" in lines[0], lines
+    assert lines[1].startswith("one window (no interval), at the recommended setting:") \
+        and "at most 12.9% above full's 14" in lines[1], lines
+    assert lines[-1].startswith("finding (one window): the paper's OPT defaults (skip_layers 1, alpha 4, "), lines
+    ppl_run(tmp_path, "e" * 16, "full", {}, 14.0, windows=16)
+    for i, (ppl, kv) in enumerate(((16.1, 0.13), (14.5, 0.2), (14.2, 0.3))):
+        ppl_run(tmp_path, f"d{i}".ljust(16, "0"), "infinigen", recommended.LLAMA | {"budget": kv / 2}, ppl, kv=kv,
+                windows=16)
+    lines = c1_accuracy.ppl_lines(matching.load(tmp_path))
+    assert lines[0].startswith(LEAD + "; selected on held-out windows): WikiText-2, 16 windows of 1,024 tokens"), \
+        lines[0]
+    assert "kv 13% x1.150" in lines[0] and "within 5% of full's perplexity at kv_fraction >= 10%: does not hold " \
+        "(holds from kv_fraction 20% on)" in lines[0], lines[0]
 
 
 def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_where_they_disagree(tmp_path):
     """C1 on two models: each model's lines (the recommended setting's lead names its model, the others are
     prefixed with it), then the models side by side; the table gets a model column; one figure per model."""
-    for model, full, gen in (("smollm2-135m", 14.0, 15.8), ("gemma3-270m", 10.0, 30.0)):
-        ppl_run(tmp_path, f"{model[:1]}0".ljust(16, "0"), "full", {}, full, model=model)
+    for model, full, gen in (("smollm2-135m", 14.0, 14.2), ("gemma3-270m", 10.0, 30.0)):
+        ppl_run(tmp_path, f"{model[:1]}0".ljust(16, "0"), "full", {}, full, model=model, windows=16)
         ppl_run(tmp_path, f"{model[:1]}1".ljust(16, "0"), "infinigen", recommended.LLAMA | {"budget": 0.1}, gen,
-                kv=0.17, model=model)
+                kv=0.17, model=model, windows=16)
     rows = matching.load(tmp_path)
     lines = render.verdict(c1_accuracy.SECTION, rows)
-    assert lines[0].startswith(LEAD) and "at most 12.9% above full's 14" in lines[0], lines
+    assert lines[0].startswith(LEAD) and "kv 17% x1.014" in lines[0] and ": holds (" in lines[0], lines
     gemma = [line for line in lines if line.startswith("at the recommended setting for gemma3-270m")]
-    assert len(gemma) == 1 and "at most 200% above full's 10" in gemma[0], lines
-    assert lines[-1].startswith("across models, InfiniGen's largest WikiText-2 perplexity increase") \
-        and lines[-1].endswith("smollm2-135m 12.9, gemma3-270m 200"), lines[-1]
+    assert len(gemma) == 1 and "kv 17% x2.998" in gemma[0] and "does not hold" in gemma[0], lines
+    assert lines[-1].startswith("across models, InfiniGen's (recommended) perplexity over full's") \
+        and lines[-1].endswith("smollm2-135m 1.01 (holds), gemma3-270m 3 (does not hold): the models disagree (holds "
+                               "on smollm2-135m only)"), lines[-1]
     assert [line.split(":")[0] for line in lines if "lm-eval rows" in line] == ["smollm2-135m", "gemma3-270m"]
     table = render.tables_of(c1_accuracy.SECTION, rows)[0]
     assert list(table["model"]) == ["smollm2-135m"] * 2 + ["gemma3-270m"] * 2 and table.columns[0] == "model"
@@ -450,6 +482,9 @@ def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_
         "c1_accuracy", "c1_accuracy_gemma3-270m"]
     one = rows[rows["model"] == "smollm2-135m"]  # one model: the section as before, no prefix, no contrast
     assert render.verdict(c1_accuracy.SECTION, one) == c1_accuracy.c1_verdict(one)
+    summary = dict((model, st.verdict) for model, st in render.statuses(c1_accuracy.SECTION, rows)
+                   if st.claim.startswith("C1: perplexity"))
+    assert summary == {"smollm2-135m": "holds", "gemma3-270m": "does not hold"}
     held = [("smollm2-135m", [Contrast("gap ratio", 2.0, True)]), ("gemma3-270m", [Contrast("gap ratio", 0.5, False)])]
     assert across(held) == ["across models, gap ratio: smollm2-135m 2 (holds), gemma3-270m 0.5 (does not hold): "
                             "the models disagree (holds on smollm2-135m only)"]
@@ -459,37 +494,49 @@ def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_
 
 
 def lm_eval_run(path: Path, digest: str, method: str, params: dict, accs: dict, n: int, kv: float,
-                limit: int = 500) -> None:
+                limit: int = 500, per_doc: bool = True) -> None:
+    """A run's rows; each doc right or wrong (per_doc): the first round(acc x n) docs right, so two runs disagree
+    only on the docs between their counts."""
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "lm_eval",
         "method_params": {"name": method, **params}, "task_params": {"name": "lm_eval", "limit": limit},
         "metrics": {"task": task, "acc": acc, "acc_stderr": (acc * (1 - acc) / (n - 1)) ** 0.5, "n": n,
-                    "limit": limit, "num_fewshot": 5, "protocol": "paper", "kv_fraction": kv},
+                    "limit": limit, "num_fewshot": 5, "protocol": "paper", "kv_fraction": kv}
+        | ({"units": {"id": list(range(n)), "acc": [float(d < round(acc * n)) for d in range(n)]}} if per_doc else {}),
         "config": {}, "meta": {"git_commit": "a" * 40 if method == "full" else "b" * 40 + "-dirty"}}
         for task, acc in accs.items()])
 
 
-def test_accuracy_intervals_say_which_differences_are_outside_them(tmp_path):
-    """n per task, each accuracy's 95% interval, and the difference from full's against its interval: at n = 500 a
-    10-point drop is outside it, a 1-point one inside; the C1 line names the tasks outside; C2 compares H2O."""
+def test_accuracy_differences_are_paired_per_doc_against_the_margin(tmp_path):
+    """n per task, each accuracy's 95% interval, and the difference from full's on the same docs with its paired
+    interval; C1 pools the docs of the tasks where full is above chance and tests the 2-point margin; C2 pairs
+    InfiniGen with H2O at the same relative KV size."""
     full = {"copa": 0.70, "piqa": 0.65}
     lm_eval_run(tmp_path, "0" * 16, "full", {}, full, 500, 1.0)
     lm_eval_run(tmp_path, "1" * 16, "infinigen", recommended.LLAMA | {"budget": 0.07}, {"copa": 0.69, "piqa": 0.55},
                 500, 0.15)
-    lm_eval_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.0625, "recent": 0.0625}, {"copa": 0.60, "piqa": 0.54}, 500, 0.2)
+    lm_eval_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.0625, "recent": 0.0625}, {"copa": 0.60, "piqa": 0.54}, 500,
+                0.16)
     rows = matching.load(tmp_path)
     table = c1_accuracy.A.table(rows).set_index(["method", "task"])
     assert table.loc[("infinigen", "piqa"), "n"] == 500
-    assert table.loc[("infinigen", "piqa"), "± 95%"] == pytest.approx(1.96 * (0.55 * 0.45 / 499) ** 0.5)
-    assert table.loc[("infinigen", "piqa"), "outside"] == "yes" and table.loc[("infinigen", "copa"), "outside"] == "no"
-    line = c1_accuracy.lm_eval_lines(rows)[0]
+    assert table.loc[("infinigen", "piqa"), "± 95% (points)"] == pytest.approx(196 * (0.55 * 0.45 / 499) ** 0.5)
+    assert table.loc[("infinigen", "piqa"), "interval"] == "paired"
+    assert table.loc[("infinigen", "piqa"), "Δ full (points)"] == pytest.approx(-10.0)
+    line = c1_accuracy.lm_eval_lines(rows)[0][0]
     assert line.startswith("lm-eval at the recommended setting, budget 0.07 (up to the first 500 docs of each task)"), \
         line
-    assert "n = 500 docs per task" in line and "outside the interval: piqa;" in line
-    assert "mean over the 2 tasks -5.5 ±" in line
+    assert "over the 1000 docs of copa, piqa (full above chance; each doc alike): -5.5 points" in line, line
+    assert "0 docs gained, 55 lost" in line and "within 2 points of full's accuracy: does not hold" in line, line
     versus = c2_baselines.lm_eval_lines(rows)
     assert len(versus) == 1 and "h2o (heavy=0.0625, recent=0.0625)" in versus[0], versus
-    assert "accuracy InfiniGen minus h2o +5.0 ±" in versus[0] and "over 2 task(s)" in versus[0]
+    assert "InfiniGen minus h2o over the 1000 docs of copa, piqa: +5.0 points" in versus[0], versus
+    # rows stored before per-doc results: the unpaired interval, said so
+    lm_eval_run(tmp_path / "old", "0" * 16, "full", {}, full, 500, 1.0, per_doc=False)
+    lm_eval_run(tmp_path / "old", "1" * 16, "infinigen", recommended.LLAMA | {"budget": 0.07},
+                {"copa": 0.69, "piqa": 0.55}, 500, 0.15, per_doc=False)
+    line = c1_accuracy.lm_eval_lines(matching.load(tmp_path / "old"))[0][0]
+    assert "unpaired: rows without per-doc results" in line and "does not hold" not in line, line
 
 
 def test_lines_over_more_docs_per_task_come_first(tmp_path):
@@ -501,13 +548,13 @@ def test_lines_over_more_docs_per_task_come_first(tmp_path):
         lm_eval_run(tmp_path, tag + "1" * 15, "infinigen", recommended.LLAMA | {"budget": 0.07}, {"copa": 0.69},
                     limit, 0.15, limit=limit)
         lm_eval_run(tmp_path, tag + "2" * 15, "h2o", {"heavy": 0.0625, "recent": 0.0625}, {"copa": 0.60}, limit,
-                    0.2, limit=limit)
+                    0.16, limit=limit)
     rows = matching.load(tmp_path)
-    c1 = c1_accuracy.lm_eval_lines(rows)
+    c1 = c1_accuracy.lm_eval_lines(rows)[0]
     for lines in (c1[:2], c2_baselines.lm_eval_lines(rows)):
         assert len(lines) == 2, lines
-        assert "(up to the first 500 docs of each task" in lines[0] and "n = 500 " in lines[0], lines
-        assert "(up to the first 100 docs of each task" in lines[1] and "n = 100 " in lines[1], lines
+        assert "(up to the first 500 docs of each task" in lines[0] and "over the 500 docs of copa" in lines[0], lines
+        assert "(up to the first 100 docs of each task" in lines[1] and "over the 100 docs of copa" in lines[1], lines
     assert [line.split(":")[0] for line in c1[2:]] == [
         "lm-eval, full attention (up to the first 500 docs of each task)",
         "lm-eval, full attention (up to the first 100 docs of each task)"], c1
@@ -517,10 +564,10 @@ def test_c1_says_on_which_tasks_full_attention_is_above_chance(tmp_path):
     """OpenBookQA has four choices: 22% over 500 docs is not above its 25% (interval +-3.6 points), nor is 17%
     (below it); COPA's 70% is above 50%; the line names each with its chance level."""
     lm_eval_run(tmp_path, "0" * 16, "full", {}, {"copa": 0.70, "openbookqa": 0.22, "piqa": 0.17}, 500, 1.0)
-    line = c1_accuracy.lm_eval_lines(matching.load(tmp_path))[-1]
+    line = c1_accuracy.lm_eval_lines(matching.load(tmp_path))[0][-1]
     assert line == ("lm-eval, full attention (up to the first 500 docs of each task): above chance (95% interval) on "
-                    "copa 70.0% (chance 50%); not on openbookqa 22.0% (chance 25%), piqa 17.0% (chance 50%); there "
-                    "the tasks cannot tell a method's losses from guessing"), line
+                    "copa 70.0% (chance 50%); not on openbookqa 22.0% (chance 25%), piqa 17.0% (chance 50%); the "
+                    "pooled differences above leave those out"), line
 
 
 def test_each_section_says_which_commits_produced_its_rows(tmp_path):

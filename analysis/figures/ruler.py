@@ -7,6 +7,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from analysis.apart import as_text, varying
 from analysis.columns import column, curve_labels, metric, models_by_size, of_task
 from analysis.draw import empty_figure, grid, run_hint, titled
 
@@ -16,9 +17,12 @@ RULER_INFORMATIVE = 0.1  # a (model, task, length) where full attention scores b
 
 def ruler_cells(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, method setting, RULER task, length): score (lm-eval's RULER string match, pooled over
-    runs by samples), measured kv_fraction, samples, full attention's score at that cell and whether the cell is
-    `informative` (full >= RULER_INFORMATIVE: where full fails, a KV method cannot be judged)."""
-    cols = ["model", "setting", "task", "length", "score", "kv_fraction", "n", "full_score", "informative"]
+    runs by samples), measured kv_fraction, samples, full attention's score at that cell (pooled over its runs) and
+    whether the cell is `informative` (full >= RULER_INFORMATIVE: where full fails, a KV method cannot be judged).
+    Runs of one setting whose task parameters differ (task.limit, ...) where they share a cell are not pooled: the
+    setting names those parameters in brackets."""
+
+    cols = ["model", "method", "setting", "task", "length", "score", "kv_fraction", "n", "full_score", "informative"]
     rows = of_task(df, "lm_eval")
     if rows.empty or "metrics.benchmark" not in rows:
         return pd.DataFrame(columns=cols)
@@ -27,12 +31,18 @@ def ruler_cells(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     rows["setting"] = curve_labels(rows)
     rows["task_name"], rows["length"] = rows["metrics.task"], metric(rows, "length")
+    cell = rows[["model", "setting", "task_name"]].astype(str).agg(" | ".join, axis=1) + rows["length"].astype(str)
+    split = varying(rows, cell, among=[c for c in rows.columns if c.startswith("task_params.")])
+    if split:
+        rows["setting"] += " [" + rows[split].apply(as_text).apply(
+            lambda r: ", ".join(f"{c.split('.', 1)[1]}={v}" for c, v in r.items() if v), axis=1) + "]"
     rows["n"], rows["score"], rows["kv_fraction"] = metric(rows, "n"), metric(rows, "score"), metric(rows, "kv_fraction")
     rows["points"], rows["kv_n"] = rows["score"] * rows["n"], rows["kv_fraction"] * rows["n"]
-    keys = ["model", "setting", "task_name", "length"]
+    keys = ["model", "method", "setting", "task_name", "length"]
     out = rows.groupby(keys, as_index=False)[["points", "kv_n", "n"]].sum(min_count=1)
     out["score"], out["kv_fraction"] = out["points"] / out["n"], out["kv_n"] / out["n"]
-    full = out[out["setting"] == "full"].set_index(["model", "task_name", "length"])["score"]
+    full = out[out["method"] == "full"].groupby(["model", "task_name", "length"])[["points", "n"]].sum(min_count=1)
+    full = full["points"] / full["n"]
     out["full_score"] = [full.get((m, t, n), np.nan) for m, t, n in zip(out["model"], out["task_name"], out["length"])]
     out["informative"] = out["full_score"] >= RULER_INFORMATIVE
     out = out.rename(columns={"task_name": "task"})

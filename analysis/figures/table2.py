@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from textwrap import fill
+
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis.columns import column, metric, of_task, param_columns, short
+from analysis.apart import varying
+from analysis.columns import column, metric, of_task, param_columns, short, size_params
 from analysis.draw import draw_bars, empty_figure, grid, run_hint, titled
 
 
@@ -19,7 +22,9 @@ def pool_name(capacity, eviction) -> str:
 
 def eviction_rows(df: pd.DataFrame) -> pd.DataFrame:
     """InfiniGen ppl rows in groups (same model, dataset, seq_len and other hyperparameters) that hold at least
-    one run with a capped pool; `pool` names the pool setting."""
+    one run with a capped pool; `pool` names the pool setting, `params` the group's InfiniGen hyperparameters (its
+    KV-size ones, partial_ratio and every other that varies among the rows), `setting` the group (model / dataset /
+    sequence length, and what sets it apart from another group of the same)."""
     rows = of_task(df, "ppl")
     rows = rows[rows["method"] == "infinigen"].copy()
     if rows.empty or "method_params.capacity" not in rows:
@@ -37,8 +42,23 @@ def eviction_rows(df: pd.DataFrame) -> pd.DataFrame:
     rows["ppl"] = metric(rows, "ppl")
     rows["dataset"] = column(rows, "task_params.dataset").astype(str)
     seq = metric(rows, "seq_len").map(lambda v: f"{v:.0f}")
+    # what tells the groups apart: every hyperparameter and task parameter but the pool's that varies among them
+    apart = varying(rows, among=fixed[1:])
+    methods = [c for c in fixed if c.startswith("method_params.")]
+    sizes = size_params("infinigen", rows) | {"partial_ratio"}
+    rows["params"] = rows.apply(lambda r: ", ".join(
+        f"{c.split('.', 1)[1]}={short(r[c])}" for c in methods
+        if (c.split(".", 1)[1] in sizes or c in apart) and not _missing(r[c])), axis=1)
     rows["setting"] = rows["model"] + " / " + rows["dataset"] + " / seq " + seq
+    told = [c for c in apart if c not in ("task_params.dataset", "task_params.seq_len")]
+    if told and rows.groupby("setting")["group"].nunique().max() > 1:  # two groups would share a bar
+        rows["setting"] += "\n" + rows.apply(lambda r: fill(", ".join(
+            f"{c.split('.', 1)[1]}={short(r[c])}" for c in told if not _missing(r[c])), 32), axis=1)
     return rows
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and pd.isna(value))
 
 
 def table2_eviction(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
@@ -53,7 +73,8 @@ def table2_eviction(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
     settings = sorted(rows["setting"].unique())
     order = ["pool 100%"] + sorted(p for p in rows["pool"].unique() if p != "pool 100%")
     pools = [p for p in order if p in set(rows["pool"])]
-    fig, axes = grid(1, size=(max(6.0, 1.8 * len(settings)), 3.6))
+    widest = max(len(line) for s in settings for line in s.split("\n"))  # a tick label's longest line
+    fig, axes = grid(1, size=(max(6.0, max(1.8, 0.1 * widest) * len(settings)), 3.6 + 0.2 * settings[0].count("\n")))
     draw_bars(axes[0], rows, "setting", "pool", "ppl", settings, pools)
     for bars in axes[0].containers:  # the policies differ by a few percent: the numbers say by how much
         axes[0].bar_label(bars, fmt="%.4g", fontsize=6)

@@ -8,10 +8,65 @@ from matplotlib.figure import Figure
 
 from analysis import columns as C
 from analysis import draw as D
+from analysis import like as L
+from analysis import paired as P
 from analysis import tables as T
 
 # the perplexity setting of the comparisons: one 1024-token WikiText-2 window (what a shared 2-core CPU affords)
 PPL = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_windows=1"
+
+
+# C1 and C2's perplexity comparison: 16 windows of 1,024 WikiText-2 tokens (16,368 scored), each method paired with
+# full attention window by window (enough windows for an interval); InfiniGen at the model family's selected setting
+PPL16 = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_windows=16"
+PAIRED = (f"{PPL16} method=full", f"{PPL16} method=infinigen method.budget=0.02,0.035,0.07,0.1,0.14,0.2,0.28",
+          f"{PPL16} +point=h2o_0.03125,h2o_0.0625,h2o_0.1,h2o_0.125", f"{PPL16} method=quant method.bits=2,4")
+
+
+def versus(data: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+    """Each row of `data` against the row of `reference` on the same model, data and windows: its perplexity over
+    the reference's, paired over windows (ratio, lo, hi, n windows, closeness to the margin); NaN where no
+    reference row matches or either has no per-window results (`why` says which)."""
+    out = []
+    for i, row in data.iterrows():
+        got = {"ratio": float("nan"), "lo": float("nan"), "hi": float("nan"), "windows": 0, "closeness": None,
+               "why": "no reference row on the same windows"}
+        for _, ref in reference.iterrows():
+            try:
+                L.check(row, ref, "accuracy")
+            except L.Unlike:
+                continue
+            try:
+                effect = P.perplexity_ratio(row.get("metrics.units"), ref.get("metrics.units"))
+            except P.Unpaired as err:
+                got["why"] = str(err)
+                break
+            got = {"ratio": effect.value, "lo": effect.low, "hi": effect.high, "windows": effect.n,
+                   "closeness": effect.closeness(), "why": ""}
+            break
+        out.append(got)
+    return pd.DataFrame(out, index=data.index)
+
+
+def at_size(rows: pd.DataFrame, x: float, column: str = "rel_kv") -> tuple[dict, str] | None:
+    """Per-window results of `rows` (one method setting at several sizes, same windows) at size `x`: a row within
+    like.KV_TOLERANCE of it as it is ("measured"), else each window's NLL interpolated linearly between the two rows
+    around `x` ("interpolated"); None outside the measured range or without per-window results."""
+    rows = rows.dropna(subset=[column]).sort_values(column)
+    near = rows[(rows[column] - x).abs() <= L.KV_TOLERANCE]
+    if not near.empty:
+        row = near.loc[(near[column] - x).abs().idxmin()]
+        return (row["metrics.units"], "measured") if isinstance(row.get("metrics.units"), dict) else None
+    below, above = rows[rows[column] < x], rows[rows[column] > x]
+    if below.empty or above.empty:
+        return None
+    lo, hi = below.iloc[-1], above.iloc[0]
+    a, b = lo.get("metrics.units"), hi.get("metrics.units")
+    if not isinstance(a, dict) or not isinstance(b, dict) or a.get("id") != b.get("id") or a.get("tokens") != b.get("tokens"):
+        return None
+    w = (x - lo[column]) / (hi[column] - lo[column])
+    return ({"id": a["id"], "tokens": a["tokens"], "nll": [u + w * (v - u) for u, v in zip(a["nll"], b["nll"])]},
+            "interpolated")
 
 
 def ppl_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -77,8 +132,10 @@ def ppl_vs_kv(rows: pd.DataFrame, title: str) -> Figure:
 
 
 def ppl_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The ppl rows' table without byte columns, and without the model and data columns where one value holds."""
     out = T.table(rows, "ppl")
-    return out.drop(columns=[c for c in out.columns if c.endswith("(MiB)") or c in ("data", "model")])
+    return out.drop(columns=[c for c in out.columns if c.endswith("(MiB)")
+                             or (c in ("data", "model") and out[c].nunique(dropna=False) <= 1)])
 
 
 def accuracy_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -91,14 +148,14 @@ def ppl_and_accuracy(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 COMPARED = (f"{PPL} method=full",
-            f"{PPL} method=infinigen method.budget=0.1,0.2",
+            f"{PPL} +point=infinigen_paper method.budget=0.1,0.2",
             "python run.py -m +experiment=fig13_speculation_smoke +point=speculate_previous",
             f"{PPL} +point=h2o_0.0625,h2o_0.1",
             f"{PPL} method=quant method.bits=2,4")
 
 
 OTHERS = (f"{PPL} method=oracle method.budget=0.1,0.2",
-          f"{PPL} method=quest method.budget=0.1,0.2",
+          f"{PPL} method=quest method.budget=0.03,0.05,0.1,0.2",
           f"{PPL} method=kivi method.bits=2",
           f"{PPL} task.dense_rows=512 method=snapkv method.budget=0.2",
           f"{PPL} task.dense_rows=512 method=full",

@@ -1,12 +1,11 @@
-"""The InfiniGen setting the docs recommend for a model, and how a verdict names the setting of its rows.
+"""The InfiniGen setting recommended for a model, and how a verdict names the setting of its rows.
 
-docs/methods.md ("Speculation input") and the README recommend, for Llama-family GQA models (SmolLM2, Llama-2/3,
-Mistral, Qwen2.5), skip_layers 2, alpha 8, partial_ratio 0.5 and speculate_from block_input; for Gemma 3 the same with
-speculate_from previous; OPT keeps the paper's values (conf/method/infinigen.yaml's defaults). A claim's verdict
-leads with its rows at the recommended setting, or says the store has none and which command adds them; other
-settings follow, named; the paper's OPT defaults on a Llama-family model get a line of their own, worded as a
-finding. tests/test_report.py holds the docs to these values
-and every claim's first line to the recommended setting.
+The recommended setting is each family's selected one (infinigen/selected.py: what `method=infinigen` gives,
+chosen on held-out windows by analysis/report/selection.py); OPT keeps the paper's values. A claim's verdict leads
+with its rows at the recommended setting, or says the store has none and which command adds them (`at_selected`
+writes a section's command at each model's setting); other settings follow, named; the paper's OPT defaults on a
+model they are not selected for get a line of their own, worded as a finding. tests/test_report.py holds the docs
+to these values and every claim's first line to the recommended setting.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ import pandas as pd
 from analysis import columns as C
 from analysis.report.section import num, on_model
 
-KEYS = ("skip_layers", "alpha", "partial_ratio", "speculate_from")
-PAPER = {"skip_layers": 1, "alpha": 4.0, "partial_ratio": 0.2, "speculate_from": "previous"}  # the OPT defaults
-LLAMA = {"skip_layers": 2, "alpha": 8.0, "partial_ratio": 0.5, "speculate_from": "block_input"}
-# Gemma 3: the Llama family's values but the paper's speculation input, which recalls more of its attention than
-# block_input at both budgets measured (docs/results.md, the speculation input)
-GEMMA3 = LLAMA | {"speculate_from": "previous"}
-RECOMMENDED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma3_text": GEMMA3, "opt": PAPER}  # by model_type
+from infinigen.selected import KEYS, LLAMA, PAPER, SELECTED
+
+RECOMMENDED = SELECTED | {"opt": PAPER}  # by model_type: each family's selected setting (analysis/report/selection.py)
 # rows recorded before an option existed ran with the behaviour its default keeps
 BEFORE = {"skip_layers": 1, "speculate_from": "previous"}
 
@@ -60,11 +55,38 @@ def matches(rows: pd.DataFrame, wanted: dict | pd.Series) -> pd.Series:
     return same
 
 
-def on_gemma3(command: str) -> str:
-    """A command at SmolLM2's recommended setting (speculating from block_input, by point or option) as the same
-    command at Gemma 3's: on gemma3-270m, speculating from previous."""
-    command = command.replace("+point=speculate_block_input", "+point=speculate_previous")
-    return on_model(command.replace("speculate_from=block_input", "speculate_from=previous"), "gemma3-270m")
+MODELS = ("smollm2-135m", "gemma3-270m")  # the real models every accuracy claim runs on
+SPECULATE_POINTS = ("+point=speculate_block_input", "+point=speculate_previous")
+
+
+def model_family(model: str) -> str | None:
+    """A conf/model's model_type (its family), read from conf/ as run.py composes it."""
+    from omegaconf import OmegaConf
+
+    from analysis.report.compose import ROOT
+
+    path = ROOT / "conf" / "model" / f"{model}.yaml"
+    return OmegaConf.select(OmegaConf.load(path), "arch.model_type", default=None) if path.exists() else None
+
+
+def knobs(model: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command-line overrides that pin the model family's selected setting (but the knobs in `skip`)."""
+    chosen = RECOMMENDED.get(model_family(model), PAPER)
+    return [f"method.{k}={chosen[k]}" for k in KEYS if k not in skip]
+
+
+def at_selected(command: str, model: str, skip: tuple[str, ...] = ()) -> str:
+    """`command` on `model` at its family's selected setting, written out (a speculate_* point becomes
+    infinigen_selected, which only picks the method; the knobs but `skip` become explicit overrides), so that the
+    command names the setting it measures and a change of selection shows as rows to re-run."""
+    words = [w for w in command.split(" ") if not w.startswith("model=")
+             and not any(w.startswith(f"method.{k}=") for k in KEYS if k not in skip)]
+    words = ["+point=infinigen_selected" if w in SPECULATE_POINTS else w for w in words]
+    return " ".join(words + knobs(model, skip) + [f"model={model}"])
+
+
+def on_every_model_selected(command: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(at_selected(command, model, skip) for model in MODELS)
 
 
 def is_recommended(rows: pd.DataFrame) -> pd.Series:
@@ -93,11 +115,15 @@ def model_of(rows: pd.DataFrame) -> tuple[str, str]:
 def lead(rows: pd.DataFrame) -> str:
     """How a claim's first verdict line opens: the recommended setting for the rows' model, named."""
     model, fam = model_of(rows)
-    return f"at the recommended setting for {model} ({describe(RECOMMENDED.get(fam, LLAMA))}; docs/methods.md)"
+    return f"at the recommended setting for {model} ({describe(RECOMMENDED.get(fam, LLAMA))}; selected on held-out windows)"
 
 
 def missing(rows: pd.DataFrame, *commands: str) -> str:
-    """A claim's first line when the store has none of its rows at the recommended setting."""
+    """A claim's first line when the store has none of its rows at the recommended setting: the commands that add
+    them (those for the rows' model, where the commands name models)."""
+    model = model_of(rows)[0]
+    commands = tuple(c for c in commands if f"model={model}" in c.split(" ")) or tuple(
+        c for c in commands if "model=" not in c) or commands
     verb = "adds" if len(commands) == 1 else "add"
     return f"{lead(rows)}: not in the store yet ({' and '.join(f'`{c}`' for c in commands)} {verb} them)"
 

@@ -45,6 +45,20 @@ class Section:
     # `contrast` on each model's rows, the quantities the models are compared on (on_model() writes the commands)
     per_model: bool = False
     contrast: Callable[[pd.DataFrame], list[Contrast]] | None = None
+    # more verdict lines from the section's rows and every fresh row of the store (what other sections read)
+    audit: Callable[[pd.DataFrame, pd.DataFrame], list[str]] | None = None
+    # the claims the summary table lists for this section, from one model's rows (each model's, per_model)
+    status: Callable[[pd.DataFrame], list["Status"]] | None = None
+
+
+@dataclass(frozen=True)
+class Status:
+    """One claim's standing on one model, for the summary table: `verdict` is holds / does not hold / cannot be
+    shown at this n / not measured; `number` the key number with its interval, in a few words."""
+
+    claim: str
+    verdict: str
+    number: str
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Copying runs between stores: the newest run of each config, without the per-prompt detail no table or figure
-reads (`DETAIL`), optionally only the runs whose rows match `--where` clauses."""
+reads (`DETAIL`; each row's per-unit results, `metrics.units`, are kept: paired comparisons read them), optionally
+only the runs whose rows match `--where` clauses."""
 
 from __future__ import annotations
 

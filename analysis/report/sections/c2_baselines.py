@@ -6,11 +6,90 @@ import math
 
 import pandas as pd
 
+from analysis import columns as C
+from analysis import like as L
+from analysis import paired as P
 from analysis.report import accuracy as A
 from analysis.report import recommended as R
-from analysis.report.ppl import COMPARED, full_ppl, matched_gaps, ppl_rows, ppl_table, ppl_vs_kv
-from analysis.report.section import Contrast, Section, needs, num, on_every_model, signed
-from analysis.report.sections.c1_accuracy import FIG11, FIG11_FULL, GEMMA3_FIG11, RECOMMENDED_PPL, SMOKE, fig11_missing
+from analysis.report.ppl import COMPARED, PAIRED, at_size, full_ppl, matched_gaps, ppl_rows, ppl_table, ppl_vs_kv
+from analysis.report.section import Contrast, Section, Status, needs, num, on_every_model, signed
+from analysis.report.sections.c1_accuracy import (FIG11, FIG11_FULL, GEMMA3_FIG11, MIN_WINDOWS, PAIRED_FIG11,
+                                                  RECOMMENDED_PPL, SMOKE, fig11_missing)
+
+BASELINES = ("h2o", "quant")
+
+
+def baseline_name(row: pd.Series) -> str:
+    if row["method"] == "quant":
+        return f"INT{num(row['method_params.bits'])}"
+    return f"H2O ({num(row['method_params.heavy'])} + {num(row['method_params.recent'])})"
+
+
+def paired_ppl(rows: pd.DataFrame) -> list[tuple[str, str, P.Effect | None, str]]:
+    """InfiniGen (recommended) against each baseline row on the same 16 windows at the same relative KV size: per
+    baseline row, (baseline, size, InfiniGen's perplexity over the baseline's with its paired interval, how
+    InfiniGen's side was had: measured / interpolated, or why it was refused)."""
+    data = ppl_rows(rows)
+    if data.empty:
+        return []
+    data = data[C.metric(data, "windows") >= MIN_WINDOWS]
+    gen = data[(data["method"] == "infinigen") & R.is_recommended(data)]
+    out = []
+    for _, base in data[data["method"].isin(BASELINES)].sort_values(["method", "rel_kv"]).iterrows():
+        size = f"{num(100 * base['rel_kv'])}%"
+        same = gen[[not L.differences(row, base, L.ACCURACY) for _, row in gen.iterrows()]] if not gen.empty else gen
+        got = at_size(same, base["rel_kv"]) if not same.empty else None
+        if got is None:
+            out.append((baseline_name(base), size, None, "InfiniGen has no rows on these windows around this size"))
+            continue
+        try:
+            out.append((baseline_name(base), size, P.perplexity_ratio(got[0], base["metrics.units"]), got[1]))
+        except P.Unpaired as err:
+            out.append((baseline_name(base), size, None, str(err)))
+    return out
+
+
+def better(effect: P.Effect) -> str:
+    """InfiniGen's standing against a baseline from their ratio (< 1: InfiniGen lower perplexity)."""
+    return P.HOLDS if effect.high < 1 else P.FAILS if effect.low > 1 else P.OPEN
+
+
+def paired_ppl_lines(rows: pd.DataFrame) -> list[str]:
+    pairs = paired_ppl(rows)
+    if not pairs:
+        return [R.missing(rows[rows["method"] == "infinigen"] if (rows["method"] == "infinigen").any() else rows,
+                          *PAIRED[1:])]
+    each = "; ".join(f"vs {name} at {size}: " + (f"x{e.value:.3f} ({e.low:.3f}-{e.high:.3f}, InfiniGen {how}): "
+                                                  f"{'better' if better(e) == P.HOLDS else 'worse' if better(e) == P.FAILS else 'not told apart'}"
+                                                  if e is not None else f"refused ({how})")
+                     for name, size, e, how in pairs)
+    return [f"{R.lead(rows[rows['method'] == 'infinigen'])}: WikiText-2, {MIN_WINDOWS} windows, InfiniGen's perplexity "
+            f"over the baseline's at the same relative KV size (95% paired interval): {each}"]
+
+
+def c2_status(rows: pd.DataFrame) -> list[Status]:
+    out = []
+    for method, label in (("H2O", "H2O"), ("INT", "KV quantisation")):
+        pairs = [(n, sz, e, how) for n, sz, e, how in paired_ppl(rows) if n.startswith(method) and e is not None]
+        claim = f"C2: perplexity below {label}'s at the same KV size"
+        if not pairs:
+            out.append(Status(claim, "not measured", ""))
+            continue
+        verdicts = [better(e) for _, _, e, _ in pairs]
+        verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
+        out.append(Status(claim, verdict, "; ".join(f"{n} at {sz}: x{e.value:.2f} ({e.low:.2f}-{e.high:.2f})"
+                                                    for n, sz, e, _ in pairs)))
+    effects = lm_eval_effects(rows)
+    claim = "C2: lm-eval accuracy above H2O's and quantisation's at the same KV size"
+    paired = [(name, e) for name, e, _ in effects if e is not None]
+    if not paired:
+        out.append(Status(claim, "not measured", "no paired lm-eval rows at matched KV size"))
+    else:
+        verdicts = [P.HOLDS if e.low > 0 else P.FAILS if e.high < 0 else P.OPEN for _, e in paired]
+        verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
+        out.append(Status(claim, verdict, "; ".join(f"vs {n}: {100 * e.value:+.1f} points ({100 * e.low:+.1f} to "
+                                                    f"{100 * e.high:+.1f})" for n, e in paired)))
+    return out
 
 
 def ppl_setting_lines(data: pd.DataFrame, gen: pd.DataFrame) -> list[str]:
@@ -46,7 +125,7 @@ def ppl_lines(rows: pd.DataFrame) -> list[str]:
     gen = data[data["method"] == "infinigen"]
     recommended, paper = gen[R.is_recommended(gen)], gen[R.is_paper(gen)]
     if recommended.empty:
-        out = [R.missing(gen, RECOMMENDED_PPL)]
+        out = [R.missing(gen, *RECOMMENDED_PPL)]
     else:
         first, *rest = ppl_setting_lines(data, recommended)
         out = [f"{R.lead(gen)}: {first}", *(f"at the recommended setting, {line}" for line in rest)]
@@ -74,28 +153,19 @@ def paper_finding(data: pd.DataFrame, gen: pd.DataFrame, paper: pd.DataFrame, re
     return line
 
 
-def versus(infinigen: pd.DataFrame, baseline: pd.DataFrame) -> tuple[float, float, int]:
-    """InfiniGen's accuracy minus the baseline's averaged over the tasks both scored (same docs), with its 95%
-    half-width (each task's two stderrs as independent) and the number of tasks."""
-    both = infinigen.merge(baseline, on=["task", "shots", "protocol", "limit"], suffixes=("", "_b"))
-    if both.empty:
-        return math.nan, math.nan, 0
-    k = len(both)
-    diff = (both["acc"] - both["acc_b"]).mean()
-    return diff, A.Z95 * math.sqrt((both["se"] ** 2 + both["se_b"] ** 2).sum()) / k, k
-
-
-def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
-    """Each H2O and quant setting against the InfiniGen setting nearest in relative KV size (the recommended
-    setting where it has rows), mean accuracy over the tasks, with the difference's 95% interval."""
+def lm_eval_effects(rows: pd.DataFrame) -> list[tuple[str, P.Effect | None, str]]:
+    """Each H2O and quant setting (most docs per task first) against InfiniGen at the recommended setting at the
+    same relative KV size (like.KV_TOLERANCE), over the docs of the tasks where full attention is above chance:
+    (the baseline named, InfiniGen's accuracy minus the baseline's paired, the line)."""
     data = A.task_rows(rows)
     gen = data[data["method"] == "infinigen"]
-    if gen.empty or not data["method"].isin(["h2o", "quant"]).any():
-        return needs("lm-eval rows of InfiniGen, H2O and quant")
+    if gen.empty or not data["method"].isin(BASELINES).any():
+        return []
     recommended = gen[gen["recommended"].astype(bool)]
-    out = [] if not recommended.empty else [fig11_missing(rows)]
     pool = recommended if not recommended.empty else gen
-    for (method, params, limit), base in A.most_docs_first(data[data["method"].isin(["h2o", "quant"])]).groupby(
+    informative = A.above_chance(data)
+    out = []
+    for (method, params, limit), base in A.most_docs_first(data[data["method"].isin(BASELINES)]).groupby(
             ["method", "params", "limit"], sort=False):
         near = pool[pool["limit"] == limit]
         if near.empty:
@@ -103,16 +173,40 @@ def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
         kv = base["rel_kv"].mean()
         budget = near.loc[(near["rel_kv"] - kv).abs().idxmin(), "budget"]
         pick = near[near["budget"] == budget]
-        diff, ci, k = versus(pick, base)
-        out.append(f"lm-eval ({A.docs(limit)}, n = {A.docs_range(base['n'])} per task): {method} "
-                   f"({params}) at relative KV size {num(100 * kv)}% vs InfiniGen at {pick['setting'].iloc[0]}, budget "
-                   f"{num(budget)} ({num(100 * pick['rel_kv'].mean())}%): accuracy InfiniGen minus {method} "
-                   f"{A.points(diff)} ± {100 * ci:.1f} points over {k} task(s), {A.significance(diff, ci)}")
+        name = f"{method} ({params}) at relative KV size {num(100 * kv)}%"
+        head = (f"lm-eval ({A.docs(limit)}): {name} vs InfiniGen at {pick['setting'].iloc[0]}, budget "
+                f"{num(budget)} ({num(100 * pick['rel_kv'].mean())}%)")
+        if abs(pick["rel_kv"].mean() - kv) > L.KV_TOLERANCE:
+            out.append((name, None, f"{head}: refused: relative KV size {num(100 * pick['rel_kv'].mean())}% vs "
+                                    f"{num(100 * kv)}% (more than {100 * L.KV_TOLERANCE:.0f} points apart); an "
+                                    f"InfiniGen budget at that size in `{FIG11_FULL}` adds the row that matches"))
+            continue
+        both = pick.merge(base[["task", "units"]], on="task", suffixes=("", "_base"))
+        tasks = informative.get((base["model"].iloc[0], limit), set())
+        effect = A.pooled(both.assign(full_units=both["units_base"]), tasks)
+        if effect is None:
+            out.append((name, None, f"{head}: unpaired (rows without per-doc results, or full attention is above "
+                                    f"chance on none of the tasks): see the table"))
+            continue
+        out.append((name, effect, f"{head}: InfiniGen minus {method} over the {effect.n} docs of "
+                                  f"{', '.join(sorted(tasks))}: {effect.text()}"))
     return out
 
 
+def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
+    effects = lm_eval_effects(rows)
+    data = A.task_rows(rows)
+    if not effects:
+        return needs("lm-eval rows of InfiniGen, H2O and quant")
+    recommended = data[(data["method"] == "infinigen") & data["recommended"].astype(bool)]
+    return ([] if not recommended.empty else [fig11_missing(rows)]) + [line for _, _, line in effects]
+
+
 def c2_verdict(rows: pd.DataFrame) -> list[str]:
-    return ppl_lines(rows) + lm_eval_lines(rows)
+    one = ppl_rows(rows)
+    one = rows.loc[one.index[C.metric(one, "windows") < MIN_WINDOWS]] if not one.empty else rows.iloc[:0]
+    return paired_ppl_lines(rows) + lm_eval_lines(rows) + [f"one window (no interval): {line}"
+                                                            for line in ppl_lines(one)]
 
 
 def c2_contrast(rows: pd.DataFrame) -> list[Contrast]:
@@ -140,12 +234,14 @@ SECTION = Section(
     "it (SmolLM2: skip_layers 2, alpha 8, partial_ratio 0.5, speculate_from block_input; Gemma-3: the same with "
     "previous) first, then at the same with the other speculation input, then at the paper's OPT defaults "
     "(conf/method/infinigen.yaml: skip_layers 1, alpha 4, partial_ratio 0.2).",
-    (FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, RECOMMENDED_PPL, SMOKE)),
+    (*on_every_model(*PAIRED), *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, SMOKE), *RECOMMENDED_PPL),
     lambda rows: [ppl_table(rows), A.table(rows)],
     c2_verdict,
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),
-    note="An lm-eval difference is called outside its 95% interval when it exceeds 1.96 x sqrt(sum of both "
-         "stderrs squared) / tasks: the two methods' accuracies treated as independent, though they score the same "
-         "docs (the paired interval is narrower). Gemma-3-270M runs the perplexity comparison, the lm-eval "
-         "smoke and Fig. 11's points at 100 docs per task (C1's note).",
-    order=20, per_model=True, contrast=c2_contrast)
+    note="Both sides score the same windows or docs, so each comparison is paired (analysis/paired.py). InfiniGen "
+         "is compared with a baseline at the same relative KV size (entries kept x bytes per entry): its own row "
+         "within 2 points of it, else each window's NLL interpolated between its two budgets around it (said "
+         "so); an lm-eval pair more than 2 points apart is refused and names the command that adds a match. "
+         "Gemma-3-270M runs the perplexity comparison, the lm-eval smoke and Fig. 11's points at 100 docs per task "
+         "(C1's note).",
+    order=20, per_model=True, contrast=c2_contrast, status=c2_status)

@@ -14,9 +14,8 @@ from analysis.report.section import Contrast, Section, figure_of, needs, num, on
 ALPHA = "python run.py -m +experiment=fig17_alpha_smoke method.alpha=1.0,3.0,5.0,7.0,9.0"
 PARTIAL = "python run.py -m +experiment=fig17_partial_smoke method.partial_ratio=0.1,0.2,0.5,1.0"
 # the same sweeps around the recommended setting: every other InfiniGen hyperparameter at its recommended value
-RECOMMENDED_ALPHA = f"{ALPHA} method.skip_layers=2 method.partial_ratio=0.5 method.speculate_from=block_input"
-RECOMMENDED_PARTIAL = f"{PARTIAL} method.skip_layers=2 method.alpha=8.0 method.speculate_from=block_input"
-GEMMA3 = (R.on_gemma3(RECOMMENDED_ALPHA), R.on_gemma3(RECOMMENDED_PARTIAL))
+RECOMMENDED_ALPHA = R.on_every_model_selected(ALPHA, skip=("alpha",))
+RECOMMENDED_PARTIAL = R.on_every_model_selected(PARTIAL, skip=("partial_ratio",))
 
 
 def around_recommended(part: pd.DataFrame, along: str) -> bool:
@@ -88,13 +87,13 @@ def c6_verdict(rows: pd.DataFrame) -> list[str]:
     gen = rows[rows["method"] == "infinigen"]
     first = [f"{R.lead(gen)}: {line}" for line in out if "the recommended setting otherwise" in line]
     rest = [line for line in out if "the recommended setting otherwise" not in line]
-    return (first or [R.missing(gen, RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL)]) + rest
+    return (first or [R.missing(gen, *RECOMMENDED_ALPHA, *RECOMMENDED_PARTIAL)]) + rest
 
 
 SECTION = Section(
     "c6_ablation", "C6. Alpha and the partial weight ratio plateau",
     "Accuracy saturates beyond a moderate alpha (while the fetched share keeps growing) and beyond a small "
     "partial weight ratio (paper Fig. 17).",
-    (*on_every_model(ALPHA, PARTIAL, RECOMMENDED_ALPHA, RECOMMENDED_PARTIAL), *GEMMA3),
+    (*on_every_model(ALPHA, PARTIAL), *RECOMMENDED_ALPHA, *RECOMMENDED_PARTIAL),
     ppl_table, c6_verdict, figure_of("fig17_ablation"),
     order=60, per_model=True, contrast=c6_contrast)

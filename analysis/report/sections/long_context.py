@@ -4,22 +4,48 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.figures.needle import needle_heatmap
+from analysis import columns as C
+from analysis import tables as T
+from analysis.figures.needle import needle_cells
 from analysis.report.section import Section, figure_of, needs, num, on_every_model
 
 
+def needle_numbers(rows: pd.DataFrame) -> pd.DataFrame:
+    """Needle accuracy per (model, setting, length, depth), a cell's keys pooled over the runs of its setting as the
+    figure pools them (figures/needle.py), except runs whose task parameters differ (seeds, filler, ...): those stay
+    apart, the setting naming the parameters in brackets."""
+    data = C.of_task(rows, "needle")
+    if data.empty:
+        return pd.DataFrame(columns=["model", "setting", "length", "depth", "accuracy", "n"])
+    key = data["model"] + " | " + C.curve_labels(data)
+    split = T.varying(data, key, among=[c for c in data.columns if c.startswith("task_params.")])
+    names = (data[split].apply(T.as_text).apply(
+        lambda r: " [" + ", ".join(f"{c.split('.', 1)[1]}={v}" for c, v in r.items() if v) + "]", axis=1)
+        if split else pd.Series("", index=data.index))
+    parts = []
+    for name, part in data.groupby(names, sort=True):
+        cells = needle_cells(part)
+        parts.append(cells.assign(setting=cells["setting"] + name))
+    cells = pd.concat(parts, ignore_index=True)
+    cells["correct"] = cells["accuracy"] * cells["n"]
+    pooled = cells.groupby(["model", "setting", "length", "depth"], as_index=False)[["correct", "n"]].sum()
+    pooled["accuracy"] = pooled["correct"] / pooled["n"]
+    return pooled.drop(columns="correct").sort_values(["model", "setting", "length", "depth"]).reset_index(drop=True)
+
+
 def needle_table(rows: pd.DataFrame) -> pd.DataFrame:
-    _, numbers = needle_heatmap(rows)
+    """One line per setting and prompt length: the share of keys retrieved exactly at each needle depth."""
+    numbers = needle_numbers(rows)
     if numbers.empty:
         return numbers
     wide = numbers.pivot_table(index=["setting", "length"], columns="depth", values="accuracy").reset_index()
-    wide.columns = [c if isinstance(c, str) else f"depth {c:g}" for c in wide.columns]
-    return wide
+    wide.columns = [c if isinstance(c, str) else f"accuracy @ depth {c:g}" for c in wide.columns]
+    return wide.rename(columns={"length": "prompt (tokens)"})
 
 
 def long_verdict(rows: pd.DataFrame) -> list[str]:
     out = []
-    _, cells = needle_heatmap(rows)
+    cells = needle_numbers(rows)
     if cells.empty:
         out += needs("needle rows")
     else:

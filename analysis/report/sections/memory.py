@@ -95,5 +95,6 @@ SECTION = Section(
          "peak RSS of one process each (the kernel's ru_maxrss), the ppl task through run.py (method=full, "
          "one WikiText-2 window: sim forward, log-probs, the decode-mode cache measurement) and one plain "
          "transformers SDPA forward of the same tokens with its logits; `loaded` is that process before "
-         "its forward. RSS does not depend on the machine's load.",
+         "its forward. RSS does not depend on the machine's load. GB: 10^9 bytes (ru_maxrss, in KiB, x 1024 / "
+         "10^9); MB/token: 10^6 bytes per token of the window.",
     order=160, readme=memory_block)

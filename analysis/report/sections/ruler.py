@@ -10,45 +10,84 @@ from analysis.figures.ruler import RULER_INFORMATIVE, ruler_cells
 from analysis.report.section import Section, figure_of, needs, num
 
 
+def full_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Full attention's RULER score per model and task, one column per length (what the verdict's first line
+    summarises)."""
+    cells = ruler_cells(rows)
+    full = cells[cells["method"] == "full"]
+    if full.empty:
+        return pd.DataFrame(columns=["model", "method", "task"])
+    wide = full.pivot_table(index=["model", "setting", "task"], columns="length", values="score").reset_index()
+    wide.columns = [f"score (0-1) @ {c:.0f} tokens" if isinstance(c, float) else c for c in wide.columns]
+    return wide.rename(columns={"setting": "method"})
+
+
+def settings_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The RULER table (analysis/tables.py: mean score and score per informative task @ length per setting) with
+    each setting's mean as a share of full attention's over the same cells."""
+    out = T.table(rows, "ruler")
+    shares = shares_of(rows)
+    if out.empty or shares.empty:
+        return out
+    share = shares.set_index(["model", "setting"])["share"]
+    full = set(ruler_cells(rows).query("method == 'full'")["setting"])
+    out.insert(out.columns.get_loc("mean score (0-1)") + 1, "share of full's (%)",
+               [100.0 if s in full else 100 * share.get((m, s), float("nan"))
+                for m, s in zip(out["model"], out["method"])])
+    return out
+
+
+def shares_of(cells_or_rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, setting) but full's: the mean score over the informative cells it ran, full's mean over the same
+    cells, their ratio, its mean kv_fraction and how many cells."""
+    cells = ruler_cells(cells_or_rows) if "informative" not in cells_or_rows else cells_or_rows
+    compared = cells[cells["informative"] & (cells["method"] != "full")]
+    if compared.empty:
+        return pd.DataFrame(columns=["model", "setting", "method", "score", "full", "share", "kv", "n"])
+    by = compared.groupby(["model", "setting"], as_index=False).agg(
+        method=("method", "first"), score=("score", "mean"), full=("full_score", "mean"), kv=("kv_fraction", "mean"),
+        n=("score", "size"))
+    return by.assign(share=by["score"] / by["full"])
+
+
 def ruler_verdict(rows: pd.DataFrame) -> list[str]:
-    """Per model: full attention's score per RULER task @ length, which cells are informative (full >=
-    figures.RULER_INFORMATIVE), then each method's mean score over the informative cells it ran, as a share of
-    full's over the same cells, and what the rows' evaluations took."""
+    """Per model: full attention's mean score over every task and length (per task: the section's first table),
+    which cells are informative (full >= figures.RULER_INFORMATIVE), each setting's mean score over the informative
+    cells it ran as a share of full's over the same cells, and what the rows' evaluations took."""
     cells = ruler_cells(rows)
     if cells.empty:
         return needs("RULER rows")
     out = []
     for model, part in cells.groupby("model"):
-        full = part[part["setting"] == "full"]
+        full = part[part["method"] == "full"]
         if full.empty:
             out += needs(f"RULER rows of full attention on {model}")
             continue
-        out.append(f"{model} with full attention, score per task @ length: "
-                   + ", ".join(f"{r.task} @ {r.length:.0f} {num(r.score, 2)}" for r in full.itertuples()))
-        useful, useless = full[full["informative"]], full[~full["informative"]]
-        out.append(f"informative (full >= {num(RULER_INFORMATIVE)}): {len(useful)} of {len(full)} cells"
-                   + (f" ({', '.join(sorted(set(useful['task'])))})" if len(useful) else "")
-                   + ("; uninformative, excluded from the comparison: "
+        out.append(f"{model} full attention: mean score {num(full['score'].mean(), 2)} (0-1) over "
+                   f"{full['task'].nunique()} tasks x {full['length'].nunique()} lengths; per task in the first table")
+        cell = full.drop_duplicates(["task", "length"])
+        useful, useless = cell[cell["informative"]], cell[~cell["informative"]]
+        out.append(f"informative (full >= {num(RULER_INFORMATIVE)}): {len(useful)} of {len(cell)} cells"
+                   + ("; uninformative, left out of the comparison: "
                       + ", ".join(f"{r.task} @ {r.length:.0f}" for r in useless.itertuples()) if len(useless) else ""))
-        compared = part[part["informative"] & (part["setting"] != "full")]
-        if useful.empty or compared.empty:
+        by = shares_of(part)
+        if useful.empty or by.empty:
             out += needs(f"RULER rows of KV methods on the informative cells of {model}")
             continue
-        by = compared.groupby("setting").agg(score=("score", "mean"), full=("full_score", "mean"),
-                                             kv=("kv_fraction", "mean"), n=("score", "size"))
-        by = by.assign(share=by["score"] / by["full"]).sort_values(["share", "kv"], ascending=[False, True])
-        out.append(f"on the informative cells (full's mean {num(useful['score'].mean(), 2)} over {len(useful)}), mean "
-                   "score and its share of full's on the same cells: "
-                   + ", ".join(f"{s} {num(r.score, 2)} ({num(100 * r.share, 3)}%, kv {num(r.kv, 2)}"
+        by = by.sort_values(["share", "kv", "setting"], ascending=[False, True, True])
+        alone = by["method"].map(by["method"].value_counts()) == 1  # a method's only setting: its name says it
+        out.append(f"on the informative cells, mean score as a share of full's ({num(useful['score'].mean(), 2)} over "
+                   f"{len(useful)}): "
+                   + ", ".join(f"{r.method if one else r.setting} {num(100 * r.share, 3)}% (kv {num(r.kv, 2)}"
                                + (f", {r.n} of {len(useful)} cells" if r.n < len(useful) else "") + ")"
-                               for s, r in by.iterrows()))
+                               for one, r in zip(alone, by.itertuples())))
     data = C.of_task(rows, "lm_eval")
     data = data[C.column(data, "metrics.benchmark") == "ruler"]
     minutes = (C.metric(data, "seconds").groupby(data["_file"]).sum() / 60).groupby(
         data.groupby("_file")["method"].first()).sum().sort_values()
-    out.append("wall time in the rows (lm-eval's sample generation, prefill and decode, summed over a run's rows; on "
-               "a shared machine it includes time the run was paused, "
-               f"{', '.join(sorted(set(C.column(data, 'meta.device').astype(str) + ' x ' + C.column(data, 'meta.threads').astype(str) + ' threads')))}): "
+    threads = sorted(set(C.column(data, "meta.device").astype(str) + " x "
+                         + C.column(data, "meta.threads").astype(str) + " threads"))
+    out.append(f"wall time per method ({', '.join(threads)}; pauses of the shared machine included): "
                + ", ".join(f"{m} {num(v, 2)} min" for m, v in minutes.items()))
     return out
 
@@ -62,8 +101,12 @@ SECTION = Section(
     "hatched in the figure, left out of the table and the comparison). Options and refusals: "
     "docs/long_context.md.",
     ("python run.py -m +experiment=ruler_smollm2_smoke",),
-    T.ruler_table, ruler_verdict, figure_of("ruler_heatmap"),
+    lambda rows: [full_table(rows), settings_table(rows)], ruler_verdict, figure_of("ruler_heatmap"),
     note="The CPU preset generates one sample per (task, length) (task.limit=1; two took 66 min on 2 cores): "
          "a single-needle cell is 0 or 1, cwe and the multi-needle tasks give partial credit within the "
-         "sample, and a difference of one cell is one sample. `task.limit=N` on the same preset for more.",
+         "sample, and a difference of one cell is one sample. `task.limit=N` on the same preset for more. "
+         "Scores are lm-eval's RULER string match, 0 to 1. The first table: full attention's score per task and "
+         "length; the second: each setting's score on the informative cells (`task @ length`), their mean and "
+         "its share of full's mean over the same cells. Wall time: lm-eval's sample generation, prefill and "
+         "decode, summed over a run's rows.",
     order=140)

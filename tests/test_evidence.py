@@ -1,0 +1,245 @@
+"""The evidence a verdict rests on (issue 54): per-unit results in every row, paired statistics with a stated
+margin, the held-out selection of InfiniGen's setting, and comparisons that refuse unlike rows."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import like, paired, store
+from analysis.report import matching
+from analysis.report import recommended as R
+from analysis.report import selection as S
+from analysis.report.sections import c3_position, c7_speed, selection
+from conftest import ROOT
+
+SMOLLM2 = {"model_type": "llama"}
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+# ----------------------------------------------------------------------------------------------- per-unit rows
+
+
+def test_a_ppl_row_keeps_each_windows_nll_and_tokens(tmp_path, data_dir):
+    from experiments import runner
+
+    cfg = compose("model=tiny-llama", "method=h2o", "task=ppl", "task.seq_len=48", "task.max_windows=4",
+                  f"data_dir={data_dir}", f"results_dir={tmp_path}")
+    row = runner.run(cfg)
+    units = row["metrics"]["units"]
+    assert units["id"] == [0, 48, 96, 144] and units["tokens"] == [47] * 4
+    assert sum(units["nll"]) / sum(units["tokens"]) == pytest.approx(row["metrics"]["nll"], rel=1e-12)
+    assert [sum(c) for c in units["chunk_nll"]] == pytest.approx(units["nll"], rel=1e-12)
+    # make export keeps them (they are small), and drops only the per-prompt detail
+    store.export(tmp_path, tmp_path / "docs")
+    exported = json.loads(next((tmp_path / "docs" / "rows").glob("*.jsonl")).read_text())
+    assert exported["metrics"]["units"] == units
+
+
+def test_skip_windows_reads_windows_after_the_skipped_ones(tmp_path, data_dir):
+    from experiments import runner
+
+    cfg = compose("model=tiny-llama", "method=full", "task=ppl", "task.seq_len=48", "task.max_windows=2",
+                  "task.skip_windows=3", f"data_dir={data_dir}", f"results_dir={tmp_path}")
+    assert runner.run(cfg)["metrics"]["units"]["id"] == [144, 192]
+    with pytest.raises(runner.UserError, match="task.skip_windows"):
+        runner.validate(compose("model=tiny-llama", "task=ppl", "task.seq_len=48", "task.skip_windows=-1",
+                                f"data_dir={data_dir}"))
+
+
+def test_an_lm_eval_row_keeps_each_docs_result(tmp_path, data_dir):
+    from experiments import runner
+
+    cfg = compose("model=tiny-llama", "method=infinigen", "task=lm_eval", "task.tasks=[copa]", "task.limit=6",
+                  "task.num_fewshot=0", f"data_dir={data_dir}", f"results_dir={tmp_path}")
+    metrics = runner.run(cfg)["metrics"]
+    assert metrics["units"]["id"] == list(range(6))
+    assert set(metrics["units"]["acc"]) <= {0.0, 1.0}
+    assert np.mean(metrics["units"]["acc"]) == pytest.approx(metrics["acc"])
+
+
+# ----------------------------------------------------------------------------------------------- paired statistics
+
+
+def units(values, ids=None, key="acc"):
+    return {"id": list(ids if ids is not None else range(len(values))), key: list(values)}
+
+
+def test_a_paired_accuracy_interval_is_narrower_than_the_unpaired_one_and_counts_discordant_docs():
+    rng = np.random.default_rng(1)
+    full = (rng.random(500) < 0.65).astype(float)
+    mine = full.copy()
+    flip = rng.random(500) < 0.06
+    mine[flip] = 1 - mine[flip]
+    effect = paired.accuracy_difference(units(mine), units(full[::-1], ids=range(499, -1, -1)))  # any order
+    assert effect.value == pytest.approx(mine.mean() - full.mean())
+    assert effect.gained + effect.lost == int(flip.sum())
+    unpaired = 1.96 * math.sqrt(2 * 0.65 * 0.35 / 500)
+    assert effect.high - effect.low < unpaired  # the docs' agreement narrows it
+    assert effect.low < effect.value < effect.high
+    assert 0 <= effect.p <= 1
+
+
+def test_closeness_holds_fails_or_cannot_be_shown_against_the_margin():
+    make = lambda lo, hi: paired.Effect((lo + hi) / 2, lo, hi, 100, "accuracy")  # noqa: E731
+    assert make(-0.01, 0.01).closeness() == paired.HOLDS
+    assert make(-0.08, -0.03).closeness() == paired.FAILS
+    assert make(-0.05, 0.01).closeness() == paired.OPEN  # "not significant" is not "close"
+    ratio = lambda lo, hi: paired.Effect((lo + hi) / 2, lo, hi, 16, "perplexity")  # noqa: E731
+    assert ratio(1.01, 1.03).closeness() == paired.HOLDS and ratio(1.08, 1.1).closeness() == paired.FAILS
+    assert ratio(1.02, 1.07).closeness() == paired.OPEN
+
+
+def test_a_perplexity_ratio_is_token_weighted_and_paired_over_windows():
+    nll = [3000.0, 3300.0, 2800.0, 3100.0]
+    ref = {"id": [0, 1, 2, 3], "nll": nll, "tokens": [1000] * 4}
+    mine = {"id": [0, 1, 2, 3], "nll": [v + 50 for v in nll], "tokens": [1000] * 4}
+    effect = paired.perplexity_ratio(mine, ref)
+    assert effect.value == pytest.approx(math.exp(0.05)) and effect.n == 4
+    assert effect.low == pytest.approx(effect.value) == pytest.approx(effect.high)  # the same gap in every window
+    with pytest.raises(paired.Unpaired):
+        paired.perplexity_ratio(mine | {"id": [0, 1, 2, 9]}, ref)
+    with pytest.raises(paired.Unpaired):
+        paired.perplexity_ratio(mine, None)
+
+
+# ----------------------------------------------------------------------------------------------- refusing unlike rows
+
+
+def latency_run(path, digest, method, params, ms, commit, threads=2):
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "latency",
+        "method_params": {"name": method, **params}, "task_params": {"name": "latency", "batch_size": 1,
+                                                                     "prompt_len": 384, "gen_len": 16},
+        "metrics": {"decode_ms_median": ms, "modelled_decode_ms_per_token": ms, "batch_size": 1, "prompt_len": 384,
+                    "gen_len": 16, "dtype": "float32", "timing": "measured", "kv_fraction": 0.2},
+        "config": {"model": {"arch": SMOLLM2}},
+        "meta": {"git_commit": commit, "device": "cpu", "threads": threads}}])
+
+
+def test_a_speed_ratio_over_rows_of_two_commits_is_refused(tmp_path):
+    from infinigen.selected import LLAMA
+
+    latency_run(tmp_path, "a" * 16, "infinigen", LLAMA | {"budget": 0.2}, 50.0, "1" * 40)
+    latency_run(tmp_path, "b" * 16, "offload", {}, 90.0, "2" * 40)
+    lines = c7_speed.c7_verdict(matching.load(tmp_path))
+    assert "refused" in lines[0] and "commit 1111111 vs 2222222" in lines[0], lines
+    assert "x" not in lines[0].split("refused")[0].split(":")[-1]  # no ratio is printed
+    latency_run(tmp_path, "b" * 16, "offload", {}, 90.0, "1" * 40)  # the same commit: a ratio
+    (tmp_path / "rows" / sorted(p.name for p in (tmp_path / "rows").glob("b*"))[0]).unlink()
+    lines = c7_speed.c7_verdict(matching.load(tmp_path))
+    assert "offload 1.8x" in lines[0] and "refused" not in lines[0], lines
+
+
+def test_a_dirty_commit_or_another_thread_count_is_refused_too():
+    a = pd.Series({"meta.git_commit": "1" * 40, "meta.device": "cpu", "meta.threads": 2, "model": "m"})
+    with pytest.raises(like.Unlike, match="threads 2 vs 1"):
+        like.check(a, a.copy().replace({2: 1}), "speed")
+    with pytest.raises(like.Unlike, match="not a clean commit"):
+        like.check(a, a.copy().replace({"1" * 40: "1" * 40 + "-dirty"}), "speed")
+    like.check(a, a.copy(), "speed")
+
+
+def chunk_run(path, digest, method, params, kv, gap, model="smollm2-135m"):
+    chunks = {str(p): 3.0 + gap for p in range(0, 2048, 256)}
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": model, "method": method, "task": "ppl",
+        "method_params": {"name": method, **params},
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 2048, "max_windows": 1},
+        "metrics": {"ppl": math.exp(3.0 + gap), "kv_fraction": kv, "windows": 1, "seq_len": 2048,
+                    "nll_by_chunk": chunks}, "config": {"model": {"arch": SMOLLM2}},
+        "meta": {"device": "cpu", "threads": 2}}])
+
+
+def test_c3_refuses_an_h2o_row_at_another_kv_fraction_and_interpolates_inside_h2os_range(tmp_path):
+    from infinigen.selected import LLAMA
+
+    chunk_run(tmp_path, "0" * 16, "full", {}, 1.0, 0.0)
+    chunk_run(tmp_path, "1" * 16, "infinigen", LLAMA | {"budget": 0.2, "capacity": 1.0}, 0.224, 0.03)
+    chunk_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.01875, "recent": 0.01875}, 0.0455, 1.3)  # 5x less KV
+    line = c3_position.c3_verdict(matching.load(tmp_path))[0]
+    assert "refused" in line and "InfiniGen's / H2O's" not in line, line
+    chunk_run(tmp_path, "3" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, 0.20, 0.5)
+    chunk_run(tmp_path, "4" * 16, "h2o", {"heavy": 0.125, "recent": 0.125}, 0.26, 0.3)
+    line = c3_position.c3_verdict(matching.load(tmp_path))[0]
+    assert "interpolated between kv_fraction 20% and 26%" in line, line
+    assert f"H2O's at the same kv_fraction {0.5 + (0.224 - 0.2) / 0.06 * (0.3 - 0.5):.3g}" in line, line
+
+
+# ----------------------------------------------------------------------------------------------- the selection
+
+
+def selection_run(path, digest, params, kv, gap, windows=(64, 65, 66, 67), model="smollm2-135m"):
+    method = "infinigen" if params else "full"
+    ids = [w * 1024 for w in windows]
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": model, "method": method, "task": "ppl",
+        "method_params": {"name": method, **params},
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": len(windows),
+                        "skip_windows": windows[0]},
+        "metrics": {"ppl": math.exp(3 + gap), "kv_fraction": kv, "windows": len(windows), "seq_len": 1024,
+                    "units": {"id": ids, "nll": [1023 * (3 + gap)] * len(ids), "tokens": [1023] * len(ids)}},
+        "data": {"sha256": "abc"}, "config": {"model": {"arch": SMOLLM2}}, "meta": {}}])
+
+
+def test_the_rule_picks_the_least_gap_at_the_target_sizes_among_settings_that_reach_them(tmp_path):
+    from infinigen.selected import SELECTED
+
+    selection_run(tmp_path, "f" * 16, {}, 1.0, 0.0)
+    good = dict(SELECTED["llama"])  # the rule's pick here is the conf's: the line says it agrees
+    close = good | {"speculate_from": "block_input" if good["speculate_from"] == "previous" else "previous"}
+    small = {"skip_layers": 1, "alpha": 4.0, "partial_ratio": 0.2, "speculate_from": "previous"}
+    for i, (kv, gap) in enumerate(((0.11, 0.3), (0.17, 0.1), (0.24, 0.05))):
+        selection_run(tmp_path, f"a{i}".ljust(16, "0"), good | {"budget": 0.05 * 2 ** i}, kv, gap)
+        selection_run(tmp_path, f"b{i}".ljust(16, "0"), close | {"budget": 0.05 * 2 ** i}, kv, gap + 0.02)
+        selection_run(tmp_path, f"c{i}".ljust(16, "0"), small | {"budget": 0.05 * 2 ** i}, 0.08 + 0.01 * i, 0.0)
+    rows = matching.load(tmp_path)
+    assert S.selected(rows) == {"smollm2-135m": good}
+    table = S.scores(S.points(rows))
+    assert not table.set_index("alpha").loc[4.0, "eligible"]  # never reaches 15%: however good, not a candidate
+    line = selection.verdict(rows)[0]
+    assert line.startswith(f"smollm2-135m: selected {R.describe(good)} (") and "agrees" in line, line
+
+
+def test_the_audit_flags_a_verdict_row_that_reads_the_held_out_windows(tmp_path):
+    selection_run(tmp_path, "f" * 16, {}, 1.0, 0.0)
+    sweep = matching.load(tmp_path)
+    selection_run(tmp_path / "other", "e" * 16, {}, 1.0, 0.0, windows=tuple(range(16)))
+    clean = matching.load(tmp_path / "other")
+    assert "no verdict row reads them" in selection.audit(sweep, pd.concat([sweep, clean]))[0]
+    selection_run(tmp_path / "bad", "d" * 16, {}, 1.0, 0.0, windows=tuple(range(70)))
+    bad = matching.load(tmp_path / "bad")
+    assert "the selection is not held out" in selection.audit(sweep, pd.concat([sweep, bad]))[0]
+
+
+def test_the_committed_selection_is_what_the_conf_gives():
+    """infinigen/selected.py holds, for each family swept, the rule's pick from the committed sweep."""
+    from infinigen.selected import SELECTED, SELECTED_ON
+
+    df = matching.load(ROOT / "docs" / "store")
+    rows = matching.match(df, selection.SECTION.commands).rows
+    picks = S.selected(rows)
+    assert set(picks) == set(SELECTED_ON.values()), "the committed sweep lacks a model: run its command"
+    for family, model in SELECTED_ON.items():
+        assert picks[model] == SELECTED[family], (family, picks[model])
+
+
+def test_method_infinigen_gives_each_family_its_selected_setting():
+    from infinigen.selected import PAPER, SELECTED
+
+    for model, family in (("smollm2-135m", "llama"), ("gemma3-270m", "gemma3_text"), ("opt-13b", None)):
+        method = compose(f"model={model}", "method=infinigen").method
+        assert {k: method[k] for k in PAPER} == SELECTED.get(family, PAPER), model
+    pinned = compose("model=smollm2-135m", "method=infinigen", "method.alpha=4").method
+    assert pinned.alpha == 4 and pinned.skip_layers == SELECTED["llama"]["skip_layers"]
