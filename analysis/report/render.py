@@ -102,12 +102,14 @@ def statuses(section: Section, rows: pd.DataFrame) -> list[tuple[str | None, Sta
     if section.status is not None:
         return [(model or rows["model"].iloc[0], status) for model, part in by_model(section, rows)
                 for status in section.status(part)]
-    claim = section.title.split(". ", 1)[0] + ": " + section.title.split(". ", 1)[-1]
+    code, title = section.title.split(". ", 1)
     out = []
     for model, part in by_model(section, rows):
-        for c in section.contrast(part):
+        contrasts = section.contrast(part)
+        for c in contrasts:
             verdict = "not measured" if c.value is None else (
                 "holds" if c.holds else "does not hold") if c.holds is not None else "measured"
+            claim = f"{code}: {title}" if len(contrasts) == 1 else f"{code}: {title} ({c.what.split(' from ')[0]})"
             out.append((model or rows["model"].iloc[0], Status(
                 claim, verdict, "" if c.value is None else f"{c.what}: {num(c.value)} (one window, no interval)")))
     return out

@@ -176,9 +176,9 @@ def lm_eval_effects(rows: pd.DataFrame) -> list[tuple[str, P.Effect | None, str]
         name = f"{method} ({params}) at relative KV size {num(100 * kv)}%"
         head = (f"lm-eval ({A.docs(limit)}): {name} vs InfiniGen at {pick['setting'].iloc[0]}, budget "
                 f"{num(budget)} ({num(100 * pick['rel_kv'].mean())}%)")
-        if abs(pick["rel_kv"].mean() - kv) > L.KV_TOLERANCE:
+        if not L.same_size(pick["rel_kv"].mean(), kv):
             out.append((name, None, f"{head}: refused: relative KV size {num(100 * pick['rel_kv'].mean())}% vs "
-                                    f"{num(100 * kv)}% (more than {100 * L.KV_TOLERANCE:.0f} points apart); an "
+                                    f"{num(100 * kv)}% (more than {100 * L.KV_TOLERANCE:.0f}% apart); an "
                                     f"InfiniGen budget at that size in `{FIG11_FULL}` adds the row that matches"))
             continue
         both = pick.merge(base[["task", "units"]], on="task", suffixes=("", "_base"))
@@ -240,8 +240,8 @@ SECTION = Section(
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),
     note="Both sides score the same windows or docs, so each comparison is paired (analysis/paired.py). InfiniGen "
          "is compared with a baseline at the same relative KV size (entries kept x bytes per entry): its own row "
-         "within 2 points of it, else each window's NLL interpolated between its two budgets around it (said "
-         "so); an lm-eval pair more than 2 points apart is refused and names the command that adds a match. "
+         "within 10% of it, else each window's NLL interpolated between its two budgets around it (said "
+         "so); an lm-eval pair more than 10% apart is refused and names the command that adds a match. "
          "Gemma-3-270M runs the perplexity comparison, the lm-eval smoke and Fig. 11's points at 100 docs per task "
          "(C1's note).",
     order=20, per_model=True, contrast=c2_contrast, status=c2_status)

@@ -23,7 +23,7 @@ def against_oracle(data: pd.DataFrame, method: str, what: str, command: str) -> 
             else oracle
         best = None
         for curve, part in same.groupby("curve"):
-            near = part[(part["kv"] - row["kv"]).abs() <= L.KV_TOLERANCE]
+            near = part[L.same_size(part["kv"], row["kv"])]
             if not near.empty:
                 pick = near.loc[(near["kv"] - row["kv"]).abs().idxmin()]
                 best = best or (pick["ppl"], f"{curve} measured at {num(100 * pick['kv'])}%")
