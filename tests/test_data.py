@@ -141,7 +141,8 @@ def test_corpus_shorter_than_a_window_after_tokenisation_fails_before_any_forwar
 
     monkeypatch.setattr(modes, "sim_hidden", no_forward)  # ppl imports it when it runs
     model, _ = load_model("tiny-llama")
-    with pytest.raises(ValueError, match=r"has 62 tokens after tokenisation, fewer than one window \(seq_len=64\)"):
+    with pytest.raises(ValueError, match=r"has 62 tokens after tokenisation, fewer than 1 window\(s\) "
+                                         r"\(seq_len=64, skip_windows=0\)"):
         ppl.run(model, None, method_from_conf("full"), task, None)
 
 
