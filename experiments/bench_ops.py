@@ -87,6 +87,7 @@ from analysis import store  # noqa: E402
 from experiments import runner  # noqa: E402
 from experiments.bench_sim import build_method, chosen_methods  # noqa: E402
 from infinigen import adapter, modes  # noqa: E402
+from infinigen.offload import census  # noqa: E402
 from infinigen.offload import link as link_module  # noqa: E402
 from infinigen.offload import timing  # noqa: E402
 from infinigen.offload.runtime import OffloadRuntime  # noqa: E402
@@ -115,13 +116,6 @@ PAPER_ROWS = (("full", "ideal"), ("full", "auto"), ("offload", "auto"), ("quant"
 
 # ----------------------------------------------------------------------------------------------- the counter
 
-# ops that make the host wait for the device whatever their arguments (by overload packet name)
-SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "argwhere",
-                      "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
-                      "unique_dim_consecutive", "bincount"})
-# ops that synchronise only with a bool/uint8 index (the mask's nonzero sets the output's shape)
-MASK_INDEXED = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
-SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 COPIES = frozenset({"_to_copy", "copy_", "copy", "_copy_from"})
 
 
@@ -137,10 +131,6 @@ def call_site() -> str:
             return f"{path.relative_to(ROOT).as_posix()}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -168,26 +158,10 @@ def sync_name(func, args, kwargs, device_only: bool) -> str | None:
     packet = func.overloadpacket.__name__
     if packet in COPIES:
         return "d2h copy" if _blocking_d2h(packet, args, kwargs) else None
-    overload = str(func).removeprefix("aten.").removesuffix(".default")
-    if packet in MASK_INDEXED:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
-            return None
-        name = f"{overload} (bool mask)"
-    elif packet == "repeat_interleave":  # tensor repeats: the output's length is their sum
-        if func._overloadname not in ("Tensor", "self_Tensor") or kwargs.get("output_size") is not None:
-            return None
-        name = overload
-    elif packet == "one_hot":
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        if classes is not None and classes >= 0:
-            return None
-        name = overload
-    elif packet in SYNC_OPS or any(tag in func.tags for tag in SYNC_TAGS):
-        name = overload
-    else:
+    name = census.sync_name(func, args, kwargs)
+    if name is None:
         return None
-    if device_only and not any(_on_device(t) for t in _tensors((args, kwargs))):
+    if device_only and not any(_on_device(t) for t in census.tensors_in((args, kwargs))):
         return None
     return name
 

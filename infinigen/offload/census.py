@@ -88,8 +88,9 @@ CACHE = Path(".cache/infinigen/census")
 
 INDEXED = {"gather", "index_select", "index", "index_put", "index_put_", "scatter", "scatter_", "scatter_add",
            "scatter_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "masked_select", "take"}
-# Ops that make the host wait for the device (the same set as experiments/bench_ops.py's SyncCounter): a scalar
-# read (item, int(), bool()), ops whose output shape depends on the data, a bool-mask index; by overload packet
+# Ops that make the host wait for the device (experiments/bench_ops.py's SyncCounter counts by the same rule,
+# `sync_name`): a scalar read (item, int(), bool()), ops whose output shape depends on the data, a bool-mask index;
+# by overload packet
 SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "argwhere",
                       "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
                       "unique_dim_consecutive", "bincount"})
@@ -105,21 +106,31 @@ BYTES = ("stream", "indexed", "host", "readback")  # per (row, token), counted i
 MEASURES = COUNTS + BYTES
 
 
-def syncs(func, args, kwargs) -> bool:
-    """Whether this op, on a device tensor, makes the host wait for the device."""
+def sync_name(func, args, kwargs) -> str | None:
+    """The name an op that makes the host wait for the device (on device tensors) is counted under, or None: the
+    one rule this census and experiments/bench_ops.py count by."""
     packet = func.overloadpacket.__name__
+    overload = str(func).removeprefix("aten.").removesuffix(".default")
     if packet in MASK_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        masked = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        return f"{overload} (bool mask)" if masked else None
     if packet == "repeat_interleave":  # tensor repeats: the output's length is their sum
-        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+        sums = func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+        return overload if sums else None
     if packet == "one_hot":
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return classes is None or classes < 0
-    return packet in SYNC_OPS or any(tag in func.tags for tag in SYNC_TAGS)
+        return overload if classes is None or classes < 0 else None
+    return overload if packet in SYNC_OPS or any(tag in func.tags for tag in SYNC_TAGS) else None
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def syncs(func, args, kwargs) -> bool:
+    """Whether this op, on a device tensor, makes the host wait for the device."""
+    return sync_name(func, args, kwargs) is not None
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor in a nest of args (lists, tuples, dicts)."""
     return [x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
@@ -138,11 +149,11 @@ class HostTensors:
         return isinstance(t, torch.Tensor) and t in self._host
 
     def tag(self, value) -> None:
-        for t in _tensors(value):
+        for t in tensors_in(value):
             self._host[t] = True
 
     def untag(self, value) -> None:
-        for t in _tensors(value):
+        for t in tensors_in(value):
             self._host.pop(t, None)
 
 
@@ -307,7 +318,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        tensors = _tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         on_host = bool(tensors) and tensors[0] in self.host
         if on_host and not _mutates(func):
             self.host.tag(out)
@@ -321,11 +332,11 @@ class OpCounter(TorchDispatchMode):
         packet = func.overloadpacket.__name__
         if on_host:
             if "host" in at and packet not in HOST_GATHER:
-                self.counts[at["host"]] += _nbytes(tensors + _tensors(out))
+                self.counts[at["host"]] += _nbytes(tensors + tensors_in(out))
         else:
             m = "indexed" if packet in INDEXED else "stream"
             if m in at:
-                self.counts[at[m]] += _nbytes(tensors + _tensors(out))
+                self.counts[at[m]] += _nbytes(tensors + tensors_in(out))
         return out
 
     # ------------------------------------------------------------------ Python-level calls

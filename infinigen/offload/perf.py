@@ -7,7 +7,7 @@ next step's layer 0 at the last layer; gather: at the method's `speculation_poin
 pool's rows at the method's `codec` width: the same bytes the runtime's counters report), the host-side gather,
 and where the compute stream waits for it. Each segment's device time is a roofline, max(FLOPs / peak, bytes /
 memory bandwidth), over what the segment reads (weights, the KV it attends, the selection's per-entry vectors:
-`GatheringMethod.selection_work`), plus the ops the runtime's own code dispatches (counted once on a small stand-in
+`GatheringMethod.selection_flops`), plus the ops the runtime's own code dispatches (counted once on a small stand-in
 of the model, in the model's dtype: infinigen/offload/census.py) times the profile's per-op cost. On a GPU, ops
 are queued ahead of the device between the host synchronisations the census counts in each segment, so a stretch
 costs the larger of its dispatch and its device time and at each sync the host waits for the device; the host
