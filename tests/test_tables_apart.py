@@ -218,3 +218,21 @@ def test_no_section_of_the_report_shows_two_lines_alike(committed):
             if not table.empty:
                 found += [f"{section.slug} table {i}: {line}" for line in duplicated(lines(table))]
     assert not found, "\n".join(found)
+
+
+def test_a_full_attention_run_with_per_doc_results_is_the_reference_over_one_without(tmp_path):
+    """Two full-attention runs score the same docs, an older one without per-doc results and a newer with them:
+    InfiniGen's difference is paired against the newer, and full's task is named once in the chance line."""
+    from analysis.report import accuracy as A
+
+    task = LM_EVAL_TASK | {"limit": 8}
+    per_doc = lambda hits: {"id": list(range(8)), "acc": hits}  # noqa: E731
+    old = rows_of("1" * 16, "full", {}, task, lm_eval_metrics(task))
+    new = rows_of("2" * 16, "full", {}, task, [m | {"units": per_doc([1] * 6 + [0] * 2)}
+                                                        for m in lm_eval_metrics(task)])
+    gen = rows_of("3" * 16, "infinigen", INFINIGEN, task, [m | {"units": per_doc([1] * 5 + [0] * 3)}
+                                                            for m in lm_eval_metrics(task)])
+    data = A.task_rows(frame(tmp_path, [old, new, gen]))
+    row = data[data["method"] == "infinigen"].iloc[0]
+    assert bool(row["paired"]) and row["full_units"]["acc"] == [1] * 6 + [0] * 2
+    assert A.chance_lines(data)[0].count("copa") == 1

@@ -170,9 +170,10 @@ def lm_eval_effects(rows: pd.DataFrame) -> list[tuple[str, P.Effect | None, str]
         near = pool[pool["limit"] == limit]
         if near.empty:
             continue
+        base = A.per_doc_first(base).drop_duplicates(["task"])  # one row per task, a paired one where stored
         kv = base["rel_kv"].mean()
         budget = near.loc[(near["rel_kv"] - kv).abs().idxmin(), "budget"]
-        pick = near[near["budget"] == budget]
+        pick = A.per_doc_first(near[near["budget"] == budget]).drop_duplicates(["task"])
         name = f"{method} ({params}) at relative KV size {num(100 * kv)}%"
         head = (f"lm-eval ({A.docs(limit)}): {name} vs InfiniGen at {pick['setting'].iloc[0]}, budget "
                 f"{num(budget)} ({num(100 * pick['rel_kv'].mean())}%)")
