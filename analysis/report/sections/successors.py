@@ -149,7 +149,7 @@ SECTION = Section(
     "(sim mode); the bytes from a latency run of the same setting (2048-token prompt + 16 decode steps "
     "through the offloading runtime, fp32): `h2d KiB/token` crossed the host-to-device link per decoded "
     "token (counted), `device KV MiB` the method keeps on the device (stores, per-layer state, landing "
-    "buffers), `host pool MiB` in the host pools. `budget` and `budget tokens`: each setting's budget "
+    "buffers), `host pool MiB` in the host pools.\n\n`budget` and `budget tokens`: each setting's budget "
     "as a fraction and as a token count of what it is a fraction of (RocketKV: the 2048-token window; "
     "ShadowKV: the 1792-token prompt; InfiniGen, the oracle and Quest: a row's past, at most the "
     "window), the count rounded up as the methods round it; RocketKV and ShadowKV take either "
