@@ -378,10 +378,15 @@ LEAD = f"at the recommended setting for smollm2-135m ({recommended.describe(reco
 
 
 def first_lines(text: str) -> dict[str, str]:
-    """Each section's first verdict line, from the summary table of a results.md."""
-    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    """Each section's first verdict line (the first bullet under its "Verdict" heading) in a results.md."""
     titles = {s.title: s.slug for s in report.discover()}
-    return {titles[m.group(1)]: m.group(2) for m in re.finditer(r"^\| \[(.+?)\]\(#[^)]*\) \| (.*) \|$", summary, re.M)}
+    out = {}
+    for chunk in text.split("\n## ")[1:]:
+        title, _, body = chunk.partition("\n")
+        verdict = body.split("**Verdict (computed from the store):**", 1)
+        if title in titles and len(verdict) == 2:
+            out[titles[title]] = next(line.removeprefix("* ") for line in verdict[1].splitlines() if line.strip())
+    return out
 
 
 def at_a_setting_other_than_recommended(line: str) -> list[str]:
