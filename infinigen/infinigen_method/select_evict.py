@@ -16,6 +16,18 @@ EVICTION = ("counter", "lru", "fifo")
 NEG = float("-inf")
 
 
+
+def reduce_query_heads(scores: torch.Tensor, how: str, dim: int) -> torch.Tensor:
+    """Each KV head's per-entry score from its query heads' (along `dim`): the attention mass they would give it
+    (prob_sum), their largest logit or their mean logit."""
+    if how == "prob_sum":
+        return torch.softmax(scores, dim=-1).sum(dim)
+    if how == "logit_max":
+        return scores.amax(dim)
+    if how == "logit_mean":
+        return scores.mean(dim)
+    raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {how!r}")
+
 def budget_cap(budget: float, past: torch.Tensor, max_num_kv: int | None = None) -> torch.Tensor:
     """Most past tokens a row may fetch: ceil(budget * past) (at least one when there is a past), optionally
     capped by an absolute max_num_kv. past: (...,) number of tokens before the row."""
@@ -80,14 +92,7 @@ def rank(
     else:
         n = held.amin(1) if n is None else n
         n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
-    if gqa_reduce == "prob_sum":
-        agg = torch.softmax(masked, dim=-1).sum(2)
-    elif gqa_reduce == "logit_max":
-        agg = masked.amax(2)
-    elif gqa_reduce == "logit_mean":
-        agg = masked.mean(2)
-    else:
-        raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {gqa_reduce!r}")
+    agg = reduce_query_heads(masked, gqa_reduce, dim=2)
     if tail is not None:
         agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
     # n never exceeds a head's candidates, which all outrank the -inf of the others: the top n are candidates

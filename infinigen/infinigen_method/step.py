@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infinigen.infinigen_method.select_evict import reduce_query_heads
+
 BIG = torch.iinfo(torch.long).max  # a threshold no count reaches
 
 
@@ -67,14 +69,7 @@ def select_step(query: torch.Tensor, keys_t: torch.Tensor, live: torch.Tensor, t
         # per batch row, over its h_kv x g query heads: the entries within alpha of each head's best
         count = (scores > top - alpha).view(batch, 1, -1).sum(-1, keepdim=True)  # (b, 1, 1)
     keep = thresholds <= count  # (b, hk, width + 1): rank i kept iff (i + 1) x hk x g <= count and i < limit
-    if reduce == "prob_sum":  # each KV head's entries by the attention mass its query heads would give them
-        agg = torch.softmax(scores, dim=-1).sum(1)
-    elif reduce == "logit_max":
-        agg = scores.amax(1)
-    elif reduce == "logit_mean":
-        agg = scores.mean(1)
-    else:
-        raise ValueError(f"gqa_reduce must be prob_sum, logit_max or logit_mean, got {reduce!r}")
+    agg = reduce_query_heads(scores, reduce, dim=1)  # (b*hk, width-or-more entries)
     # a written entry's softmax weight may underflow to the 0 an unwritten one gets: `live` ranks those last
     index = (agg + live).topk(width, dim=-1).indices  # (b*hk, width), best first
     return index.view(batch, -1, width), keep

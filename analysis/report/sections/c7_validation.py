@@ -8,7 +8,6 @@ from analysis import columns as C
 from analysis import speed as S
 from analysis.report.section import Section
 
-WITHIN = 0.25
 
 
 def validation_script_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -35,18 +34,7 @@ def verdict(rows: pd.DataFrame) -> list[str]:
     val = S.validation_rows(rows)
     if val.empty:
         return S.validation_verdict(rows)
-    within = (val["ratio"] - 1).abs() <= WITHIN
-    out = [f"{int(within.sum())} of {len(val)} points within ±{WITHIN:.0%} of what this CPU measured "
-           f"({commits(validation_script_rows(rows))}); largest deviation of modelled from measured: "
-           f"{(val['ratio'] - 1).abs().max():.0%}; modelled / measured: median {val['ratio'].median():.2f}, range "
-           f"{val['ratio'].min():.2f}-{val['ratio'].max():.2f}"]
-    for (b, p), part in val.groupby(["batch_size", "prompt_len"]):
-        out.append(f"batch {int(b)}, prompt {int(p)}: median modelled / measured {part['ratio'].median():.2f} over "
-                   f"{len(part)} methods")
-    spread = ((val["measured_max"] - val["measured_min"]) / val["measured_ms"]).dropna()
-    if len(spread):
-        out.append(f"noise of the measured side: a point's rounds span (max - min) / median = {spread.median():.0%} "
-                   f"at the median point, up to {spread.max():.0%}")
+    out = S.validation_verdict(rows, f" ({commits(validation_script_rows(rows))})")
     link, host = val["link (exposed)"].max(), val["host gather (exposed)"].max()
     exposed = ("the modelled exposed link time is 0 ms at every point" if link == 0 else
                f"the modelled exposed link time is at most {link:.1f} ms per step")
