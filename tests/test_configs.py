@@ -8,6 +8,7 @@ by a function that fails the test, so "validates" really means "without touching
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -314,3 +315,16 @@ def test_missing_data_file_fails_before_any_model_load(tmp_path):
 def test_unknown_options_fail_at_composition(overrides, tmp_path):
     with pytest.raises(ConfigCompositionException):
         run_cfg(overrides, tmp_path)
+
+
+FROZEN_HASHES = json.loads((ROOT / "tests" / "data" / "config_hashes.json").read_text())
+
+
+@pytest.mark.parametrize("point", sorted(FROZEN_HASHES))
+def test_config_hash_is_frozen(point):
+    """Every conf/method's config hash at a fixed model and task, as it was before the code moved (issue 57):
+    moving a method's class (its `_target_`) or a refactor must not stale the stored rows hashed with it.
+    A changed hash means the rows stored under the old one no longer match (infinigen/semantic.py aliases moves)."""
+    model, method = point.split("/")
+    cfg = compose_cfg([f"model={model}", f"method={method}", "task=ppl"])
+    assert runner.config_hash(cfg) == FROZEN_HASHES[point]
