@@ -190,16 +190,16 @@ def sim_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 # ops per added token and layer from which a method's sim forward replays rows one by one (H2O: ~3.8, TOVA: ~3.4,
-# baselines/evict_rows.py); closed-form methods add none from 1024 to 8192 tokens (contract.chunk_rows: 8 chunks of
+# infinigen/shared/eviction.py); closed-form methods add none from 1024 to 8192 tokens (rows.chunk_rows: 8 chunks of
 # rows), a few chunks' ops below (512 tokens: 4 chunks): < 0.3
 PER_ROW = 1.0
 # The sim section's text (analysis/report/sections/ops_sim.py shows it): what the table and verdict say
 SIM_TEXT = ("A sim-mode forward (perplexity, lm-eval scoring) is one batched pass: a closed-form method dispatches as "
             "many ops at 2048 tokens as at 1024 (sim attention splits a sequence into 8 chunks of rows from 1024 to "
-            "8192 tokens, contract.chunk_rows; fewer below, chunks of 1024 rows beyond) and synchronises the host only "
+            "8192 tokens, rows.chunk_rows; fewer below, chunks of 1024 rows beyond) and synchronises the host only "
             "where transformers does (once per forward: its packed-sequence check of the position ids, before any "
             "mask function the adapter registers). H2O and TOVA evict in order, so sim mode replays their decoded "
-            "rows one by one (baselines/evict_rows.py): at most four static-shape ops per row and layer, nothing "
+            "rows one by one (infinigen/shared/eviction.py): at most four static-shape ops per row and layer, nothing "
             "read back; on a GPU the replay can run as a captured CUDA graph per block of rows (capture=graph or "
             "compile).")
 SIM_NOTE = ("Rows from `make bench-ops` (as above): one `modes.sim_logits` forward of random ids (dense_rows=0; "

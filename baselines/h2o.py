@@ -8,10 +8,12 @@ from typing import ClassVar
 
 import torch
 
-from baselines.evict_rows import Replay, Schedule, check_capture
-from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend, in_window, logits, row_chunks
+from infinigen.attention import attend, logits
+from infinigen.budget import check_budget, token_count
+from infinigen.contract import KVMethod
+from infinigen.rows import in_window, row_chunks
+from infinigen.shared.eviction import Replay, Schedule, check_capture, remaining
 
 
 REDUCE = {
@@ -40,7 +42,7 @@ class H2O(KVMethod):
     prefill counts as the steps up to t = dense_rows and is evicted to budget(dense_rows) right after it.
     `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
     through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
-    baselines/evict_rows.py). Results are the same; off CUDA the loop always runs eagerly.
+    infinigen/shared/eviction.py). Results are the same; off CUDA the loop always runs eagerly.
     """
 
     heavy: int | float = 0.1
@@ -94,7 +96,7 @@ class H2O(KVMethod):
     def sim_state(self, session, layer, q, k, v, allowed):
         """Replays the decode-mode eviction row by row; returns last_row (b, h_kv, s), the last query row that
         attends each entry (t = never evicted). The dense prefill is accumulated chunk by chunk and evicted once;
-        the decoded rows go through `evict_rows.Replay`: per row a softmax over its logits (future and evicted
+        the decoded rows go through `eviction.Replay`: per row a softmax over its logits (future and evicted
         entries at -inf: probability exactly 0), one product adding minus its reduced probabilities to the state
         (minus the accumulated attention; -inf = evicted), and when it evicts an argmax over the candidates (the
         held entries before the window) and one write evicting it: static shapes, nothing read back, memory linear

@@ -8,9 +8,11 @@ from typing import ClassVar
 
 import torch
 
-from baselines.quant import dequantize, fake_quantize, pack, quantize, unpack
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, logits, row_chunks
+from infinigen.attention import logits
+from infinigen.contract import KVMethod
+from infinigen.rows import row_chunks
+from infinigen.shared.quantize import dequantize, fake_quantize, pack, quantize, unpack
 
 BITS = (2, 4)
 
@@ -172,7 +174,7 @@ class KIVI(KVMethod):
         (t, _), s = self.sim_rows(session, q, k), k.shape[2]
         kq = fake_quantize_keys(k, self.bits, self.group_size)  # (b, hk, s, d), the version each key has once flushed
         vq = fake_quantize(v, self.bits, self.value_group(layer.head_dim))
-        # rows in chunks (infinigen.contract.SIM_CHUNK): (rows, s) score tensors, never (t, s)
+        # rows in chunks (infinigen.rows.SIM_CHUNK): (rows, s) score tensors, never (t, s)
         outs = [self._sim_rows(session, layer, q[:, :, r0:r1], k, v, kq, vq, allowed, r0) for r0, r1 in row_chunks(t)]
         self.record_sim(session, layer, allowed, allowed, torch.arange(s - t, s, device=q.device), start=s - t)
         return torch.cat(outs, 2)  # (b, h, t, d)

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
-from infinigen.infinigen_method.selective_attention import SelectiveAttention
+from infinigen.shared.selective_attention import SelectiveAttention
 
 
 @dataclass

@@ -10,8 +10,10 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import GatheringMethod, grouped_matmul, widen
-from infinigen.infinigen_method.select_evict import budget_cap, cap_of, top_n
+from infinigen.attention import grouped_matmul, widen
+from infinigen.budget import check_budget
+from infinigen.contract import GatheringMethod
+from infinigen.shared.select_evict import budget_cap, cap_of, top_n
 
 GQA_REDUCE = ("max", "sum")
 
@@ -81,8 +83,7 @@ class Quest(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 < self.budget <= 1:
-            raise ValueError(f"budget must be a fraction in (0, 1] of the past tokens, got {self.budget!r}")
+        check_budget("budget", self.budget, of="past tokens", counts=False)
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an int >= 1 (tokens per page), got {self.page_size!r}")
         if isinstance(self.skip_layers, bool) or not isinstance(self.skip_layers, int) or self.skip_layers < 0:

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from infinigen.budget import check_budget
 from infinigen.contract import GatheringMethod
 
 MASK32 = 0xFFFFFFFF
@@ -44,8 +45,7 @@ class RandomTopK(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.budget, bool) or not 0 < self.budget <= 1:
-            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
+        check_budget("budget", self.budget, counts=False)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
 

@@ -10,9 +10,11 @@ from typing import ClassVar
 
 import torch
 
-from baselines.shadowkv import NEG, gather_seq, record_recall, stable_top
 from baselines.snapkv import SnapKV
-from infinigen.contract import GatheringMethod, budget_at, check_budget, grouped_matmul, widen
+from infinigen.attention import grouped_matmul, widen
+from infinigen.budget import budget_at, check_budget
+from infinigen.contract import GatheringMethod
+from infinigen.shared.ranking import NEG, gather_seq, record_recall, stable_top
 
 
 def chunk_prefix(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +75,7 @@ class RocketKV(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        check_budget(self.budget, self.budget_tokens, "sequence")
+        check_budget("budget", self.budget, tokens=self.budget_tokens, of="sequence")
         if self.split is not None and not 0 <= self.split <= 1:
             raise ValueError(f"method.split must be null (the paper's rule) or in [0, 1]: above 1 stage 1 keeps fewer "
                              f"tokens than the budget, leaving stage 2 nothing to select; got {self.split!r}")

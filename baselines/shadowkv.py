@@ -9,9 +9,11 @@ from typing import ClassVar
 
 import torch
 
-from infinigen.contract import GatheringMethod, attend, budget_at, check_budget, full_past, selection_logits, widen
-
-NEG = float("-inf")
+from infinigen.attention import attend, selection_logits, widen
+from infinigen.budget import budget_at, check_budget
+from infinigen.contract import GatheringMethod
+from infinigen.rows import full_past
+from infinigen.shared.ranking import NEG, gather_seq, record_recall, stable_top
 
 
 class ValuesCodec:
@@ -38,33 +40,12 @@ def packed(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, torch.arange(k, device=keep.device) < n[..., None]
 
 
-def gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x (b, h, s, d) gathered along s by index (b, h, n)."""
-    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
-
-
 def rope_at(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (b, h_kv, n, d) rotated to the positions `index` (b, h_kv, n) of the tables cos/sin (b, P, d)."""
     b, hk, n, d = x.shape
     pick = lambda table: table[:, None].expand(b, hk, *table.shape[1:]).gather(2, index[..., None].expand(b, hk, n, d))
     rotated = layer.rope(x.reshape(b * hk, 1, n, d), (pick(cos).reshape(b * hk, n, d), pick(sin).reshape(b * hk, n, d)))
     return rotated.view(b, hk, n, d)
-
-
-def stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k highest scores along the last axis, ties to the lower index (both modes pick the same)."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def record_recall(stats, layer, q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor) -> None:
-    """Sim mode: the share of each query head's exact attention mass (true keys, causal prefix) on the entries it
-    attends. q (b, h, r, d) at positions `rows`; k (b, h_kv, s, d); keep (b, h_kv, r, s) (causality applied here)."""
-    s = k.shape[2]
-    scores = selection_logits(q, k, layer.logit_scale)  # (b, hk, g, r, s)
-    causal = torch.arange(s, device=rows.device)[None, :] <= rows[:, None]  # (r, s)
-    full = scores.masked_fill(~causal, NEG).logsumexp(-1)
-    held = scores.masked_fill(~(keep & causal).unsqueeze(2), NEG).logsumexp(-1)
-    stats.add(layer.index, "recall", (held - full).exp())
 
 
 @dataclass
@@ -112,7 +93,7 @@ class ShadowKV(GatheringMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        check_budget(self.budget, self.budget_tokens, "prompt")
+        check_budget("budget", self.budget, tokens=self.budget_tokens, of="prompt")
         for name, low in (("chunk", 1), ("rank", 1), ("outliers", 0), ("local", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"method.{name} must be an integer >= {low}, got {getattr(self, name)!r}")

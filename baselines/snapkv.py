@@ -9,8 +9,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from baselines.streaming import check_budget, token_count
-from infinigen.contract import KVMethod, selection_logits
+from infinigen.attention import selection_logits
+from infinigen.budget import check_budget, token_count
+from infinigen.contract import KVMethod
 
 POOLING = {"max": F.max_pool1d, "avg": F.avg_pool1d}
 

@@ -1,56 +1,17 @@
 """StreamingLLM: attention sinks + a sliding window (Xiao et al., "Efficient Streaming Language Models with
-Attention Sinks", ICLR'24).
-
-Also home of what the eviction baselines share (h2o and tova import it): the token-budget convention (a budget is
-an int, an absolute number of tokens, or a float in (0, 1], a fraction of the tokens seen so far) and `remaining`.
-"""
+Attention Sinks", ICLR'24). Its `recent` budget is an int (tokens) or a float in (0, 1] (a fraction of the tokens
+seen so far): infinigen/budget.py."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from infinigen.adapter import KVStore
+from infinigen.budget import check_budget, token_count
 from infinigen.contract import KVMethod
-
-
-def check_budget(name: str, value) -> None:
-    """A budget field is an int >= 1 (absolute count) or a float in (0, 1] (fraction of the sequence)."""
-    ok = not isinstance(value, bool) and (
-        (isinstance(value, int) and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)
-    )
-    if not ok:
-        raise ValueError(
-            f"{name} must be an int >= 1 (absolute number of tokens) or a float in (0, 1] (fraction of the "
-            f"tokens seen so far), got {value!r}"
-        )
-
-
-def token_count(budget: int | float, seen: int) -> int:
-    """Tokens a budget allows once `seen` tokens exist (the current one included): min(budget, seen) for an int,
-    min(seen, max(1, ceil(budget * seen))) for a fraction. The same function serves sim and decode mode.
-
-    The -1e-9 keeps float noise from rounding an exact product up (0.1 * 30 = 3.0000000000000004 -> 3, not 4).
-    For a fraction <= 1 the count grows by at most one per token, so a window [seen - count, seen) never
-    moves backwards: permanent eviction never needs a token back.
-    """
-    if isinstance(budget, int):
-        return min(budget, seen)
-    return min(seen, max(1, math.ceil(budget * seen - 1e-9)))
-
-
-def remaining(drop: torch.Tensor, held: int) -> torch.Tensor:
-    """(b, h_kv, held - n) ascending indices of the entries left when `drop` (b, h_kv, n) go: a static shape
-    (n and held are known on the host), so an eviction never waits for the device (nonzero would)."""
-    n = drop.shape[-1]
-    if n == 1:  # every decode step once the budget binds: entries after the dropped one shift down by one
-        ahead = torch.arange(held - 1, device=drop.device)
-        return ahead + (ahead >= drop).long()
-    keep = torch.ones(*drop.shape[:-1], held, dtype=torch.bool, device=drop.device).scatter_(-1, drop, False)
-    return torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., : held - n]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """TOVA: Token Omission Via Attention (Oren et al., "Transformers are Multi-State RNNs", 2024).
 
 The smallest evicting method: it shows the conventions every evicting method here follows (attend, record the
-step's statistics, then evict; `max_held`; ties evict the earliest position; budgets from baselines/streaming.py).
+step's statistics, then evict; `max_held`; ties evict the earliest position; budgets from infinigen/budget.py).
 See docs/adding_a_method.md.
 """
 
@@ -12,10 +12,12 @@ from typing import ClassVar
 
 import torch
 
-from baselines.evict_rows import Replay, Schedule, check_capture
-from baselines.streaming import check_budget, remaining, token_count
 from infinigen.adapter import KVStore
-from infinigen.contract import KVMethod, attend, in_window, widen
+from infinigen.attention import attend, widen
+from infinigen.budget import check_budget, token_count
+from infinigen.contract import KVMethod
+from infinigen.rows import in_window
+from infinigen.shared.eviction import Replay, Schedule, check_capture, remaining
 
 
 @dataclass
@@ -29,7 +31,7 @@ class TOVA(KVMethod):
 
     `capture` ("none" | "graph" | "compile") only sets how sim mode's row loop runs on a CUDA device: eagerly, or
     through a CUDA graph of a whole block of rows ("compile": its step compiled with torch.compile first;
-    baselines/evict_rows.py). Results are the same; off CUDA the loop always runs eagerly.
+    infinigen/shared/eviction.py). Results are the same; off CUDA the loop always runs eagerly.
     """
 
     budget: int | float = 0.2
@@ -68,7 +70,7 @@ class TOVA(KVMethod):
     def sim_state(self, session, layer, q, k, v, allowed):
         """Replays decode mode's evictions row by row; returns last_row (b, h_kv, s): the last query row that
         attends each entry (t = never evicted). The prefill's eviction runs once (by its last row); the decoded
-        rows go through `evict_rows.Replay`: a row that evicts takes a softmax over its logits (evicted entries
+        rows go through `eviction.Replay`: a row that evicts takes a softmax over its logits (evicted entries
         at -inf), one product for minus its probabilities summed over the query heads, an argmax over the held
         entries up to itself and one write evicting it; a row that evicts nothing runs no op at all."""
         b, hk, s = q.shape[0], k.shape[1], k.shape[2]

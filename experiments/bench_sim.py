@@ -21,7 +21,7 @@ For a GPU (experiments/gpu_check.sh --sim):
 methods run as their `stand_in()`, InfiniGen calibrating on random ids). --prompt-for-compressors: a method that
 compresses a prompt (SnapKV, ShadowKV) gets half the tokens as its prompt instead of being skipped.
 --capture-variants: H2O and TOVA also with `capture=graph` and `capture=compile` (their row loop through a
-captured CUDA graph; baselines/evict_rows.py); on a device where it captures, such a label's first call at a
+captured CUDA graph; infinigen/shared/eviction.py); on a device where it captures, such a label's first call at a
 length (the capture, the compilation) is untimed and reported as first_seconds. --out: one JSON line per point as
 it finishes (seconds, x full: the `full` method's sim forward at the same length, x sdpa, peak MiB, kv_fraction,
 whether the captured path ran). --budget: no point starts after this many seconds (the rest are written as

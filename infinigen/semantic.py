@@ -10,7 +10,13 @@ from __future__ import annotations
 # config keys that do not change what is computed: locations and bookkeeping (data folders enter a run's identity
 # as the content of the data read from them, experiments/runner.py data_identity)
 NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress", "debug")
-NON_SEMANTIC_METHOD = ("calib_data_dir",)
+# method options that do not change what is computed: a location, and how H2O's / TOVA's sim-mode row loop is
+# dispatched on a CUDA device (`capture`: eagerly or as a captured graph, the same results)
+NON_SEMANTIC_METHOD = ("calib_data_dir", "capture")
+# method classes that moved (`_target_` now -> as stored rows were hashed with it): a moved class computes what it
+# did, so a run hashes and matches with the path its rows were written with (tests/test_configs.py freezes each
+# conf/method's hash)
+MOVED_TARGETS = {"infinigen.method.infinigen.InfiniGen": "infinigen.infinigen_method.infinigen.InfiniGen"}
 # method options added after rows were stored, with the value that means the behaviour from before they existed:
 # at that value a run computes what a row without the key did, so the key is left out (the stored rows stay valid)
 LATER_METHOD_OPTIONS = {"budget_tokens": None, "qk_norm": "rms"}
@@ -30,9 +36,13 @@ RULER_TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_mul
 
 
 def semantic_method(method: dict) -> dict:
-    """What a method config computes: without its locations, and without a later option at its neutral value."""
-    return {k: v for k, v in method.items() if k not in NON_SEMANTIC_METHOD
-            and not (k in LATER_METHOD_OPTIONS and v == LATER_METHOD_OPTIONS[k])}
+    """What a method config computes: without its locations, without a later option at its neutral value, and with a
+    moved class named as before its move."""
+    out = {k: v for k, v in method.items() if k not in NON_SEMANTIC_METHOD
+           and not (k in LATER_METHOD_OPTIONS and v == LATER_METHOD_OPTIONS[k])}
+    if out.get("_target_") in MOVED_TARGETS:
+        out["_target_"] = MOVED_TARGETS[out["_target_"]]
+    return out
 
 
 def semantic_config(config: dict) -> dict:

@@ -10,17 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines import evict_rows
 from baselines.full import Full
 from baselines.h2o import H2O
 from baselines.offload import Offload
-from baselines.quant import Quant, dequantize, pack, quantize, unpack
-from baselines.streaming import Streaming, token_count
+from baselines.quant import Quant
+from baselines.streaming import Streaming
 from baselines.tova import TOVA
 from conftest import load_model, model_cfg, random_ids, sample_ids
-from infinigen import adapter, modes
-from infinigen import contract as method_module
-from infinigen.contract import logits
+from infinigen import adapter, modes, rows as method_module
+from infinigen.attention import logits
+from infinigen.budget import token_count
+from infinigen.shared import eviction
+from infinigen.shared.quantize import dequantize, pack, quantize, unpack
 
 PROMPT, DECODED = 48, 24
 
@@ -259,7 +260,7 @@ REPLAYED = [lambda: H2O(), lambda: H2O(gqa_reduce="max"), lambda: H2O(gqa_reduce
 @pytest.mark.parametrize("make", REPLAYED, ids=["h2o", "h2o-max", "h2o-mean-int", "tova", "tova-int"])
 @pytest.mark.parametrize("dense_rows", [0, 20])
 def test_static_step_replays_what_the_eager_replay_does(make, dense_rows, monkeypatch):
-    """The captured path's row step (evict_rows.static_step: device-side row counter and schedule, fixed shapes),
+    """The captured path's row step (eviction.static_step: device-side row counter and schedule, fixed shapes),
     run eagerly block after block here (on CUDA the block is one captured graph), evicts what the eager replay
     evicts, at the same rows."""
     monkeypatch.setattr(method_module, "SIM_CHUNK", 16)  # several blocks, the last one padded
@@ -271,10 +272,10 @@ def test_static_step_replays_what_the_eager_replay_does(make, dense_rows, monkey
     eager = make().sim_state(session, layer, q, k, k, allowed)
 
     def stepped(replay, schedule, capture="none"):
-        evict_rows.CapturedReplay(replay, "graph", graph=False).run(schedule)
+        eviction.CapturedReplay(replay, "graph", graph=False).run(schedule)
         return True
 
-    monkeypatch.setattr(evict_rows.Replay, "run", stepped)
+    monkeypatch.setattr(eviction.Replay, "run", stepped)
     assert torch.equal(make().sim_state(session, layer, q, k, k, allowed), eager)
     assert (eager < t).sum() > 0
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from baselines.kivi import KIVI, KIVIStore, fake_quantize_keys, quantized_keys, quantized_values
-from baselines.quant import fake_quantize
 from baselines.quest import Quest, page_metadata, page_minmax, page_scores
 from baselines.snapkv import SnapKV
 from conftest import load_model, random_ids
 from infinigen import modes as runtime
+from infinigen.shared.quantize import fake_quantize
 
 GEN = lambda seed=0: torch.Generator().manual_seed(seed)  # noqa: E731
 

@@ -89,7 +89,7 @@ def test_sim_equals_decode_smollm2(method_name, overrides, model_name):
 def test_decode_kernel_equals_eager_with_repeated_kv_heads():
     """`attend` folds each KV head's query heads into rows instead of repeating the KV (transformers' eager): the
     same numbers (float64), with a per-KV-head mask, a batch-broadcast one and none; `grouped_matmul` likewise."""
-    from infinigen.contract import attend, grouped_matmul
+    from infinigen.attention import attend, grouped_matmul
 
     gen = torch.Generator().manual_seed(0)
     b, hk, g, t, s, d = 2, 3, 3, 4, 37, 16
@@ -112,7 +112,7 @@ def test_decode_kernel_equals_eager_with_repeated_kv_heads():
 def test_stats_fold_unread_recordings_without_changing_the_means(monkeypatch):
     """KVStats keeps recordings unread (a GPU step never waits to record) and folds every PENDING of them into
     running sums: the means are those of the recordings, however many were folded."""
-    from infinigen.contract import KVStats
+    from infinigen.stats import KVStats
 
     gen = torch.Generator().manual_seed(0)
     values = [torch.rand(2, 3, generator=gen, dtype=torch.float64) for _ in range(11)]

@@ -106,7 +106,7 @@ def test_infinigen_speculates_through_the_qk_norm_as_the_attention_does(data_dir
 
 
 def test_qk_norm_option_is_checked():
-    from infinigen.infinigen_method.infinigen import InfiniGen
+    from infinigen.method.infinigen import InfiniGen
 
     with pytest.raises(ValueError, match=r"qk_norm must be one of \('rms', 'weight'\)"):
         InfiniGen(qk_norm="partial")

@@ -274,7 +274,7 @@ def smollm2_run(model, tokenizer, method) -> dict:
 @pytest.mark.slow
 def test_smollm2_perplexity_in_bfloat16_is_float32s(data_dir, monkeypatch):
     from infinigen.infinigen_method import infinigen as infinigen_module
-    from infinigen.infinigen_method.skew import Skew
+    from infinigen.method.skew import Skew
 
     fp32, tokenizer = load_model("smollm2-135m")
     assert fp32.dtype == torch.float32  # the conf default: bfloat16 is this test's override
@@ -302,7 +302,7 @@ def test_smollm2_perplexity_in_bfloat16_is_float32s(data_dir, monkeypatch):
 def test_skew_is_folded_in_float32_and_rounded_once(dtype):
     """fold_opt on a half-precision OPT layer writes its float32 fold, rounded once: A rounded to half first is no
     longer orthogonal, and W_q W_k^T (the attention, not only its rounding) would change."""
-    from infinigen.infinigen_method.skew import fold_opt
+    from infinigen.method.skew import fold_opt
 
     layer = adapter.attention_layers(fresh_model("tiny-opt", dtype))[0]
     dtype = getattr(torch, dtype)

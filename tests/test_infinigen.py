@@ -9,9 +9,9 @@ from hydra.errors import InstantiationException
 
 from conftest import load_model, method_from_conf, model_cfg, sample_ids
 from infinigen import adapter, modes
-from infinigen.contract import logits
-from infinigen.infinigen_method.select_evict import budget_cap, pool_limit, select, top_n, victim
-from infinigen.infinigen_method.skew import calibrate, capture_qk
+from infinigen.attention import logits
+from infinigen.method.skew import calibrate, capture_qk
+from infinigen.shared.select_evict import budget_cap, pool_limit, select, top_n, victim
 
 
 def fresh(name):

@@ -1,4 +1,4 @@
-"""InfiniGen's static decode step (infinigen/infinigen_method/step.py, issue 56): the speculation and the selection of
+"""InfiniGen's static decode step (infinigen/shared/step.py, issue 56): the speculation and the selection of
 a decode step in as few ops as the math needs, in shapes that do not change from step to step, so that a CUDA device
 can run them as one captured graph (`capture=graph|compile`).
 
@@ -24,10 +24,8 @@ from hydra.errors import InstantiationException
 from conftest import load_model, method_from_conf, random_ids
 from experiments import bench_ops as B
 from infinigen import modes
-from infinigen.infinigen_method.step import (
-    CapturedSelection, StepBuffers, select_step, speculated_query, thresholds,
-)
 from infinigen.offload.runtime import OffloadRuntime, teacher_forced_logits
+from infinigen.shared.step import CapturedSelection, StepBuffers, select_step, speculated_query, thresholds
 
 PROMPT, DECODED = 48, 16
 CASES = [("infinigen", {}), ("infinigen", {"gqa_reduce": "logit_max"}), ("infinigen", {"gqa_reduce": "logit_mean"}),

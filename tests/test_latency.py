@@ -93,7 +93,7 @@ def test_speculation_at_attention_end_runs_the_same_selection():
     """A method whose selection for layer i is known once layer i-1's attention has been added to the residual
     stream: the runtime starts its gather at that point (after layer i-1's attention, before its MLP), and the
     run equals the one speculating at the attention's start."""
-    from infinigen.infinigen_method.infinigen import InfiniGen
+    from infinigen.method.infinigen import InfiniGen
 
     class AtAttentionEnd(InfiniGen):
         speculation_point: ClassVar[str] = "attention_end"

@@ -18,10 +18,11 @@ from conftest import ROOT
 LAYERS = [
     # model access, contract, data, what a run computes
     ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora",
-                   "infinigen.semantic", "infinigen.selected"]),
+                   "infinigen.semantic", "infinigen.selected", "infinigen.attention", "infinigen.rows", "infinigen.stats",
+                   "infinigen.budget", "infinigen.driver", "infinigen.runtime_needs"]),
     # sim/decode driver, offloading runtime, the Python API (methods built from conf/ by their _target_)
     ("runtimes", ["infinigen.modes", "infinigen.offload", "infinigen.api"]),
-    ("methods", ["infinigen.infinigen_method", "baselines"]),
+    ("methods", ["infinigen.method", "infinigen.shared", "baselines"]),
     ("experiments", ["experiments", "analysis.store"]),  # tasks and the runner, which writes the results store
     ("analysis", ["analysis"]),
     ("entry", ["run"]),
@@ -187,3 +188,55 @@ def test_analysis_imports_nothing_from_experiments():
     text = [f"{p.relative_to(ROOT)}:{i}" for p in ANALYSIS for i, line in enumerate(p.read_text().splitlines(), 1)
             if line.lstrip().startswith(("from experiments", "import experiments"))]
     assert found == [] and text == []
+
+
+# what a method author reads (infinigen/contract.py): the names its classes define, at most this many
+AUTHOR_NAMES = 16
+METHOD_FILES = sorted((ROOT / "baselines").glob("*.py")) + sorted((ROOT / "infinigen" / "method").glob("*.py"))
+
+
+def class_names(path) -> dict[str, list[str]]:
+    """{class: the names its body defines (methods, attributes), dunders left out}."""
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names = []
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.append(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.append(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    names += [t.id for t in item.targets if isinstance(t, ast.Name)]
+            out[node.name] = [n for n in names if not n.startswith("__")]
+    return out
+
+
+def test_the_contract_shows_only_what_a_method_writes():
+    """infinigen/contract.py is the page a method author reads (issue 57): the driver (infinigen/driver.py) and what
+    the runtimes ask (infinigen/runtime_needs.py) live elsewhere."""
+    names = class_names(ROOT / "infinigen" / "contract.py")
+    assert set(names) == {"KVMethod", "GatheringMethod"}
+    total = sum(len(v) for v in names.values())
+    assert total <= AUTHOR_NAMES, names
+
+
+def test_one_budget_check():
+    """One function checks every method's budget (infinigen/budget.py), under one name."""
+    defined = [f"{p.relative_to(ROOT)}" for _, p in project_modules()
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.FunctionDef) and "budget" in node.name and node.name.startswith("check")]
+    assert defined == ["infinigen/budget.py"]
+
+
+@pytest.mark.parametrize("path", METHOD_FILES, ids=[p.stem for p in METHOD_FILES])
+def test_no_method_imports_a_helper_of_another(path):
+    """What several methods share lives in infinigen/shared/ (or below): a method file imports from another method's
+    file only a method class it builds on (RocketKV runs SnapKV's prompt compression); InfiniGen's own files
+    (infinigen/method/) are one method."""
+    mine = module_name(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[:2] != mine.split(".")[:2] and any(
+                node.module == module_name(p) for p in METHOD_FILES):
+            helpers = [a.name for a in node.names if not a.name[:1].isupper() or a.name.isupper()]
+            assert helpers == [], f"{mine} imports {helpers} from {node.module}: move them to infinigen/shared/"

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import METHODS, load_model, method_from_conf, random_ids, variants
 from infinigen import adapter, modes
-from infinigen import contract as method_module
+from infinigen import rows as method_module
 
 # Every method's defaults run with dense_rows 0 and 40; the variants its class declares (eviction on, other
 # windows and pages: where chunked state could go wrong) with a prompt (40), whose chunks stop at row 40 and

@@ -95,7 +95,7 @@ import pathlib, sys
 target, site_packages, data_dir, cache = sys.argv[1:5]
 sys.path[:] = [target] + [p for p in sys.path if p and "site-packages" not in p] + [site_packages]
 import infinigen
-import infinigen.infinigen_method.infinigen
+import infinigen.method.infinigen
 from infinigen.models import conf_dir
 assert str(conf_dir()).startswith(target), conf_dir()
 model, tokenizer = infinigen.load_model("tiny-llama")

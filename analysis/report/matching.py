@@ -12,6 +12,7 @@ from analysis import columns as C
 from analysis import store
 from analysis import tables as T
 from analysis.report.compose import composed, difference, jobs, semantic
+from infinigen.semantic import semantic_method
 
 
 def load(store_dir: str | Path) -> pd.DataFrame:
@@ -47,6 +48,11 @@ def match(df: pd.DataFrame, commands: tuple[str, ...]) -> Matched:
     return Matched(rows, missing, len(wanted), rows["semantic"].nunique() if not rows.empty else 0)
 
 
+def target(config: dict) -> str | None:
+    """The method class a config names, a moved one as its rows were written (infinigen/semantic.py)."""
+    return semantic_method(config.get("method", {})).get("_target_")
+
+
 def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
     """One line per stored run that no command composes today, with its difference from the nearest job."""
     every = [(command, job) for command in commands for job in jobs(command)]
@@ -57,7 +63,7 @@ def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
         near = [(difference(config, job), command) for command, job in every
                 if job.get("model", {}).get("name") == config.get("model", {}).get("name")
                 and job.get("task", {}).get("name") == config.get("task", {}).get("name")
-                and job.get("method", {}).get("_target_") == config.get("method", {}).get("_target_")]
+                and target(job) == target(config)]
         if near:
             diff, command = min(near, key=lambda d: len(d[0]))
             lines.append(f"* `{name}` ({rows.iloc[0]['method']}): differs from today's config of `{command}` in "

@@ -17,10 +17,10 @@ from concurrent.futures import Future
 import torch
 
 from infinigen.adapter import KVStore
-from infinigen.contract import full_past
 from infinigen.offload.codecs import FpCodec, head_major
 from infinigen.offload.link import Fetched
 from infinigen.offload.pool import HostPool, PoolStore
+from infinigen.rows import full_past
 
 
 def decode_pool(codec, rows: torch.Tensor, b: int, hk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from infinigen import adapter
-from infinigen.contract import OFFLOAD_KINDS, SPECULATION_POINTS
 from infinigen.offload.executors import EXECUTORS, Executor
 from infinigen.offload.link import Link, Slot
 from infinigen.offload.pool import PoolStore
 from infinigen.offload.timing import PCIE4_X16_GBPS, Timer
+from infinigen.runtime_needs import OFFLOAD_KINDS, SPECULATION_POINTS
 
 RUNTIMES = ("auto", "ideal", "offload")
 # How a gathering layer's selected rows reach the device: `host` threads gather them into pinned staging, then

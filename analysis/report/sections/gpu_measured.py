@@ -6,8 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import columns as C
-from analysis import draw as D
+from analysis import columns as C, draw as D
 from analysis.report.section import Section, needs
 
 WITHIN = 0.25
@@ -121,7 +120,8 @@ def run_lines(run: str, part: pd.DataFrame) -> list[str]:
 
 # the runtime's files a reader looks for first among those changed
 FIRST_FILES = ("infinigen/offload/runtime.py", "infinigen/offload/link.py", "infinigen/offload/kernels.py",
-               "infinigen/infinigen_method/select_evict.py", "baselines/h2o.py", "baselines/quant.py")
+               "infinigen/shared/select_evict.py", "infinigen/infinigen_method/select_evict.py", "baselines/h2o.py",
+               "baselines/quant.py")  # (select_evict.py's path before issue 57 moved it, as stored rows name it)
 
 
 def code_lines(run: str, head: pd.Series) -> list[str]:

@@ -80,6 +80,5 @@ SECTION = Section(
     ppl_table, speculation_verdict, figure_of("fig13_speculation"),
     note="On Gemma-3 (QK-norm) the speculated query goes through the layer's per-head RMS norm with the true RMS "
          "of the whole speculated head vector (`qk_norm=rms`, the default); the alternative that skips the RMS "
-         "and applies the norm's weight alone (`qk_norm=weight`) is shown beside it (infinigen/infinigen_method/"
-         "infinigen.py).",
+         "and applies the norm's weight alone (`qk_norm=weight`) is shown beside it (infinigen/method/infinigen.py).",
     order=100, per_model=True)

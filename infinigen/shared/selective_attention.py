@@ -18,14 +18,12 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.contract import (
-    GatheringMethod, attend, attend_fused, attend_rows, full_past, grouped_matmul, in_window, keep_mask, row_chunks,
-    score_dtype, selection_logits, widen,
-)
-from infinigen.infinigen_method.select_evict import (
-    EVICTION, GQA_REDUCE, cap_of, pool_limit, rank, select, top_k, victim,
-)
-from infinigen.infinigen_method.step import StepBuffers, select_step, thresholds
+from infinigen.attention import attend, attend_fused, attend_rows, grouped_matmul, score_dtype, selection_logits, widen
+from infinigen.budget import check_budget
+from infinigen.contract import GatheringMethod
+from infinigen.rows import full_past, in_window, keep_mask, row_chunks
+from infinigen.shared.select_evict import EVICTION, GQA_REDUCE, cap_of, pool_limit, rank, select, top_k, victim
+from infinigen.shared.step import StepBuffers, select_step, thresholds
 
 
 @dataclass
@@ -45,8 +43,7 @@ class SelectiveAttention(GatheringMethod):
         super().__post_init__()
         if not self.alpha > 0:
             raise ValueError(f"alpha must be > 0 (math.inf = no threshold), got {self.alpha}")
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget}")
+        check_budget("budget", self.budget, counts=False)
         if self.max_num_kv is not None and self.max_num_kv < 1:
             raise ValueError(f"max_num_kv must be null or >= 1, got {self.max_num_kv}")
         if not self.capacity > 0:

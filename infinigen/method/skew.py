@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from infinigen import adapter
-from infinigen.contract import KVMethod, score_dtype, widen
+from infinigen.attention import score_dtype, widen
+from infinigen.contract import KVMethod
 from infinigen.modes import sim_hidden
 
 

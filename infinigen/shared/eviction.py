@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infinigen import contract
+from infinigen import rows as chunks  # its SIM_CHUNK read at call time (tests shrink it)
 
 NEG = float("-inf")
 BLOCK = 256  # decoded rows per block: their logits are held at once, (N, r x g, c) float32
@@ -44,8 +44,9 @@ CAPTURE = ("none", "graph", "compile")
 
 
 def block_rows() -> int:
-    """Rows per block: BLOCK, or fewer when tests shrink contract.SIM_CHUNK (read at call time) to cross blocks."""
-    return max(1, min(BLOCK, contract.SIM_CHUNK))
+    """Rows per block: BLOCK, or fewer when tests shrink infinigen.rows.SIM_CHUNK (read at call time) to cross
+    blocks."""
+    return max(1, min(BLOCK, chunks.SIM_CHUNK))
 
 
 @contextmanager
@@ -86,7 +87,7 @@ class Replay:
     state (N, t) float32 and last_row (N, t) long are updated in place. kind: "h2o" (the state accumulates minus
     reduce(p) every row) or "tova" (evicting rows rank by state - sum(p)); reduce: "sum" | "max" | "mean".
     window: a local layer's sliding window W (None: a global layer): row i's logits of keys before i - W + 1 are
-    -inf, as the model's own attention and decode mode's step (`contract.in_window`) see them: those keys get
+    -inf, as the model's own attention and decode mode's step (`infinigen.rows.in_window`) see them: those keys get
     probability 0 (H2O accumulates nothing for them; TOVA ranks them least attended)."""
 
     q: torch.Tensor
@@ -299,3 +300,14 @@ class CapturedReplay:
 
 
 _CAPTURED: dict = {}
+
+
+def remaining(drop: torch.Tensor, held: int) -> torch.Tensor:
+    """(b, h_kv, held - n) ascending indices of the entries left when `drop` (b, h_kv, n) go: a static shape
+    (n and held are known on the host), so an eviction never waits for the device (nonzero would)."""
+    n = drop.shape[-1]
+    if n == 1:  # every decode step once the budget binds: entries after the dropped one shift down by one
+        ahead = torch.arange(held - 1, device=drop.device)
+        return ahead + (ahead >= drop).long()
+    keep = torch.ones(*drop.shape[:-1], held, dtype=torch.bool, device=drop.device).scatter_(-1, drop, False)
+    return torch.argsort(keep.to(torch.uint8), dim=-1, descending=True, stable=True)[..., : held - n]

@@ -29,12 +29,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
 from infinigen.adapter import AttentionLayer, Session, encode, norm_weight_only, reads_bytes, tokenizer_of
-from infinigen.contract import score_dtype
-from infinigen.infinigen_method.selective_attention import SelectiveAttention
-from infinigen.infinigen_method.skew import Skew, calibrate
-from infinigen.infinigen_method.step import CapturedSelection, select_step, speculated_query
+from infinigen.attention import score_dtype
+from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
+from infinigen.method.skew import Skew, calibrate
+from infinigen.shared.selective_attention import SelectiveAttention
+from infinigen.shared.step import CapturedSelection, select_step, speculated_query
 
 # The speculation input x for layer i (pushed through layer i's partial query weight):
 #   previous        layer i-1's normalised attention input, norm_{i-1}(h_{i-1}) (the paper, Sec. 4.3)

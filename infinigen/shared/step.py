@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.infinigen_method.select_evict import reduce_query_heads
+from infinigen.shared.select_evict import reduce_query_heads
 
 BIG = torch.iinfo(torch.long).max  # a threshold no count reaches
 
