@@ -68,8 +68,9 @@ class KVMethod(RuntimeNeeds, MethodDriver):
     @contract_default
     def sim_keep(self, session: Session, layer: AttentionLayer, state, rows: torch.Tensor, s: int) -> torch.Tensor | None:
         """(b|1, h_kv|1, r, s) bool: which of the first s entries the query rows at sequence positions `rows`
-        (r,) may attend (combined with causality by the caller); None = all of them. `session.chunk` holds the
-        same positions as host ints: branch and slice on those (reading `rows` would wait for the device)."""
+        (r,) may attend (combined with causality and a local window by the caller), each row's own position
+        included as decode mode attends it; None = all of them. `session.chunk` holds the same positions as host
+        ints: branch and slice on those (reading `rows` would wait for the device)."""
         return None
 
     @contract_default
