@@ -72,7 +72,7 @@ def weights_of(model: str, dtype=torch.float32) -> list[torch.Tensor]:
     values)."""
     from omegaconf import OmegaConf
 
-    from infinigen.offload.perf import Shape
+    from infinigen.offload.plan import Shape
 
     shape = Shape.of(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"))
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -199,7 +199,7 @@ def calibrate(repeats: int = 5, model: str = "smollm2-135m") -> dict:
         "gather_gbps": round(gather_gbps(repeats), 3),
         "host_gbps": measured["host_gbps"],
         "device_memory_gib": round(memory_gib(), 2),
-        "dispatch": "stand_in",  # per segment: the runtime's code timed here at the run's size (perf.DISPATCH)
+        "dispatch": "stand_in",  # per segment: the runtime's code timed here at the run's size (profile.DISPATCH)
     }
 
 
@@ -304,7 +304,7 @@ def launch_and_job_us(model_cfg, device, scale: dict) -> tuple[float, float]:
     the launching thread dispatches, for full attention; and a held layer's fetch job (offload) on the link's
     worker: its host time beyond its own ops at launch_us."""
     from baselines.full import Full
-    from infinigen.offload.perf import Shape
+    from infinigen.offload.plan import Shape
 
     shape = Shape.of(model_cfg)
     model = _stand_in(model_cfg, shape.layers, 16, 512, device)
@@ -326,7 +326,7 @@ def context_rate(model_cfg, device, scale: dict, gather_gbps: float) -> tuple[fl
     then attention): the extra bytes the census's counter counts streaming per step, over the step's extra
     seconds (CUDA events) less what its extra indexed bytes take at gather_gbps. One rate for every method's
     streamed bytes; the batch makes the device's work, not the host's dispatch, set both steps' time."""
-    from infinigen.offload.perf import Shape
+    from infinigen.offload.plan import Shape
     from infinigen.offload.runtime import OffloadRuntime
 
     shape = Shape.of(model_cfg)
@@ -483,7 +483,7 @@ def cuda_profile(model: str = "opt-13b", device: str = "cuda", smoke: bool = Fal
     """
     from omegaconf import OmegaConf
 
-    from infinigen.offload.perf import Shape
+    from infinigen.offload.plan import Shape
 
     t_start = time.perf_counter()
     dev = torch.device(device)

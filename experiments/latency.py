@@ -96,9 +96,10 @@ def validate_config(cfg, method) -> None:
             raise ValueError("task.prompt=text needs a model with a tokenizer; a random_init model has none "
                              "(use task.prompt=random or auto)")
         return
-    from infinigen.offload import paper, perf
+    from infinigen.offload import paper
+    from infinigen.offload.profile import hardware
 
-    hw = perf.hardware(cfg.get("hardware"))
+    hw = hardware(cfg.get("hardware"))
     if cfg.task.get("schedule", "overlapped") == "paper":
         from experiments.runner import method_name
 
@@ -163,10 +164,10 @@ def spread(source: list[float], dense: list[bool]) -> list[float]:
 
 def layer_fractions(cfg, method) -> tuple[list[float] | None, str | None]:
     """Per layer of cfg.model, the fraction of the past a gathering layer fetches, and its source."""
-    from infinigen.offload import perf
+    from infinigen.offload.plan import Shape
     from infinigen.offload.runtime import layer_kind
 
-    shape = perf.Shape.of(cfg.model)
+    shape = Shape.of(cfg.model)
     kinds = [layer_kind(method, shape.layer(i), cfg.task.runtime) for i in range(shape.layers)]
     if "gather" not in kinds:
         return None, None
@@ -187,11 +188,15 @@ def run_modelled(cfg, method, fractions: list[float] | None = None, source: str 
     """The latency task's metrics from the performance model (infinigen/offload/perf.py): no weights, no clock.
     `fractions` (per layer kv_fraction) replaces the task's source (validation passes a measured run's own)."""
     from infinigen.offload import census, perf
+    from infinigen.offload.plan import Shape, memory, selected_counts
+    from infinigen.offload.plan import plan as layer_plan
+    from infinigen.offload.profile import hardware
+    from infinigen.offload.roofline import prefill_seconds
     from infinigen.offload.runtime import layer_kind, run_kind
 
     task = cfg.task
-    hw = perf.hardware(cfg.get("hardware"))
-    shape = perf.Shape.of(cfg.model)
+    hw = hardware(cfg.get("hardware"))
+    shape = Shape.of(cfg.model)
     kinds = [layer_kind(method, shape.layer(i), task.runtime) for i in range(shape.layers)]
     if fractions is None and task.get("fetch_fraction") == "paper":
         fractions, source = "paper", "the paper's reported OPT-13B fetch (infinigen/offload/paper.py)"
@@ -211,19 +216,19 @@ def run_modelled(cfg, method, fractions: list[float] | None = None, source: str 
     steps = perf.modelled_steps(hw, cfg.model, method, task.runtime, task.batch_size, task.prompt_len, task.gen_len,
                                 fractions)
     max_len = task.prompt_len + task.gen_len
-    plan = perf.plan(method, shape, task.runtime, max_len)
-    mem = perf.memory(shape, plan, method, task.batch_size, max_len)
+    plan = layer_plan(method, shape, task.runtime, max_len)
+    mem = memory(shape, plan, method, task.batch_size, max_len)
     over = mem["device_bytes"] / 2**30 - hw.device_memory_gib
     seen = [task.prompt_len + s + 1 for s in range(task.gen_len)]
     kv = None if fractions is None else sum(
-        sum((perf.selected_counts(fractions, plan, n)[i] + 1) / plan.visible(i, n) if k == "gather" else 1.0
+        sum((selected_counts(fractions, plan, n)[i] + 1) / plan.visible(i, n) if k == "gather" else 1.0
             for i, k in enumerate(kinds)) / len(kinds) for n in seen) / len(seen)
     return {
         "batch_size": task.batch_size, "prompt_len": task.prompt_len, "gen_len": task.gen_len,
         "timing": "modelled", "hardware": hw.name, "hardware_profile": dict(cfg.hardware),
         "runtime": run_kind(method, task.runtime), "dtype": shape.dtype,
         **perf.summarize(steps, task.warmup, task.batch_size),
-        "prefill_s": perf.prefill_seconds(hw, shape, plan, task.batch_size, task.prompt_len),
+        "prefill_s": prefill_seconds(hw, shape, plan, task.batch_size, task.prompt_len),
         "d2h_bytes_total": sum(plan.row_bytes[i] * task.batch_size * shape.kv_heads * max_len
                                for i in range(shape.layers)),
         "host_pool_bytes": mem["host_pool_bytes"], "device_bytes": mem["device_bytes"],

@@ -89,8 +89,11 @@ RUNS = {
         "measured": "2026-12-04", "log": "docs/gpu/run_20261204/gpu_check.log",
     },
 }
-# the performance model's own code (it reads a census; it never runs on the device), apart from the runtime's
-MODEL_FILES = ("infinigen/offload/perf.py", "infinigen/offload/census.py", "infinigen/offload/paper.py")
+# the performance model's own code (it reads a census; it never runs on the device), apart from the runtime's:
+# perf.py and the modules it models with, the census, the paper's schedule
+PERF_FILES = ("infinigen/offload/perf.py", "infinigen/offload/profile.py", "infinigen/offload/plan.py",
+              "infinigen/offload/roofline.py", "infinigen/offload/clock.py")
+MODEL_FILES = PERF_FILES + ("infinigen/offload/census.py", "infinigen/offload/paper.py")
 # where the code a GPU run executes lives: the runtime, the methods, the latency task
 RUNTIME_PATHS = ("infinigen", "baselines", "experiments/latency.py")
 
@@ -155,10 +158,10 @@ class Declared:
 
 
 def kinds_of(method, cfg, runtime: str) -> list[str]:
-    from infinigen.offload import perf
+    from infinigen.offload.plan import Shape
     from infinigen.offload.runtime import layer_kind
 
-    shape = perf.Shape.of(cfg)
+    shape = Shape.of(cfg)
     return [layer_kind(method, shape.layer(i), runtime) for i in range(shape.layers)]
 
 
@@ -166,10 +169,11 @@ def fetched_fractions(row: dict, method, cfg, runtime: str) -> list[float] | Non
     """Per layer, what a gathering row fetched: its measured host->device bytes per step over its gathering
     layers' rows, as a kv_fraction (selected past + itself, over the mean context of its timed steps). Its
     `fetched_tokens_mean` averages in the dense layers' zeros (InfiniGen's layer 0: 377.8 of 387.5)."""
-    from infinigen.offload import perf
+    from infinigen.offload.plan import Shape
+    from infinigen.offload.plan import plan as layer_plan
 
-    shape = perf.Shape.of(cfg)
-    plan = perf.plan(method, shape, runtime, row["prompt_len"] + row["gen_len"])
+    shape = Shape.of(cfg)
+    plan = layer_plan(method, shape, runtime, row["prompt_len"] + row["gen_len"])
     gathering = [i for i, k in enumerate(plan.kinds) if k == "gather"]
     if not gathering:
         return None
@@ -184,6 +188,7 @@ def fetched_fractions(row: dict, method, cfg, runtime: str) -> list[float] | Non
 def model_row(row: dict, hw_cfg: dict, entry: dict, census_file: dict | None, host_gbps: float | None = None) -> dict:
     """The modelled metrics of one measured row (its census from `census_file`, else this checkout's)."""
     from infinigen.offload import perf
+    from infinigen.offload.profile import hardware
 
     conf, overrides, task = entry
     runtime = task.get("runtime", "auto")
@@ -194,7 +199,7 @@ def model_row(row: dict, hw_cfg: dict, entry: dict, census_file: dict | None, ho
         recorded = census_file["rows"][row["row"]]
         method = Declared(method, recorded["kinds"], recorded["speculation_point"])
         cen = recorded["census"]
-    hw = perf.hardware({**hw_cfg, **({"host_gbps": host_gbps} if host_gbps else {})})
+    hw = hardware({**hw_cfg, **({"host_gbps": host_gbps} if host_gbps else {})})
     fractions = fetched_fractions(row, method, cfg, runtime)
     warmup = row["gen_len"] - row.get("measured_steps", row["gen_len"] - 2)
     steps = perf.modelled_steps(hw, cfg, method, runtime, row["batch_size"], row["prompt_len"], row["gen_len"],
@@ -289,7 +294,7 @@ def census_from(checkout: Path, rows: list[str], write: str, table_name: str) ->
     try:
         for folder in ("infinigen", "baselines", "conf"):
             shutil.copytree(checkout / folder, overlay / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        for f in ("infinigen/offload/census.py", "infinigen/offload/perf.py"):
+        for f in ("infinigen/offload/census.py", *PERF_FILES):
             shutil.copy(ROOT / f, overlay / f)
         (overlay / "experiments").mkdir()
         (overlay / "experiments" / "__init__.py").write_text("")

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
     from experiments import calibrate, latency
     from infinigen import adapter
-    from infinigen.offload import census, perf
+    from infinigen.offload import census, perf, profile
 
     if not Path(args.profile).is_file():
         sys.exit(f"error: --profile: {args.profile} does not exist; run `python -m experiments.calibrate` first")
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             base = compose(method_cfg, overrides, {}, None, data_dir)
             t0 = time.perf_counter()  # one modelled step per prompt runs (and caches) every census the model reads
             for prompt in args.prompts:
-                perf.modelled_steps(perf.hardware(hardware), base.model, instantiate(base.method), base.task.runtime,
+                perf.modelled_steps(profile.hardware(hardware), base.model, instantiate(base.method), base.task.runtime,
                                     batch, prompt, 1, None)
             census_s = time.perf_counter() - t0
             # one untimed run at the longest prompt first: the first run after a census measured full attention

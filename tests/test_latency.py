@@ -266,7 +266,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     import yaml
 
     from experiments import calibrate
-    from infinigen.offload import perf
+    from infinigen.offload.profile import hardware
 
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": DATA_DIR, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["bash", "experiments/gpu_check.sh", "--cpu-smoke", str(tmp_path)], cwd=ROOT, env=env,
@@ -277,7 +277,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                       ("infinigen-b0.05", "gather")):
         assert sum(line.split()[:2] == [row, kind] for line in lines) == 1, out.stdout
     profile = yaml.safe_load((tmp_path / "smoke_profile.yaml").read_text())
-    perf.hardware(profile)  # calibrate's dry run: valid
+    hardware(profile)  # calibrate's dry run: valid
     # the gather as the runtime runs it (beside its busy launching thread), at its threads and on every core
     busy = profile["host_gbps_threads_busy"]
     assert profile["host_gbps"] in busy.values() and max(busy) == (calibrate.physical_cores() or os.cpu_count())

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT
 from experiments.validate_gpu import method_of
-from infinigen.offload import paper, perf
+from infinigen.offload import paper
+from infinigen.offload.profile import hardware
 
 POINTS = {"ideal": ("full", {}), "flexgen": ("offload", {}), "int4": ("quant", {"bits": 4}),
           "h2o": ("h2o", {"heavy": 0.1, "recent": 0.1}),
@@ -23,7 +24,7 @@ POINTS = {"ideal": ("full", {}), "flexgen": ("offload", {}), "int4": ("quant", {
 
 
 def hw():
-    return perf.hardware(yaml.safe_load((ROOT / "conf" / "hardware" / "a6000_pcie3.yaml").read_text()))
+    return hardware(yaml.safe_load((ROOT / "conf" / "hardware" / "a6000_pcie3.yaml").read_text()))
 
 
 def model(name: str = "opt-13b"):

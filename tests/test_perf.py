@@ -12,7 +12,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import METHODS, ROOT, load_model, method_from_conf, random_ids
-from infinigen.offload import perf
+from infinigen.offload.clock import Clock, Link, decode_steps, no_events
+from infinigen.offload.perf import context_seconds, dispatch_seconds, modelled_steps
+from infinigen.offload.plan import Shape, selected_counts, step_bytes
+from infinigen.offload.plan import plan as layer_plan
+from infinigen.offload.profile import HARDWARE_FIELDS, hardware
+from infinigen.offload.roofline import layer_work
 from infinigen.offload.runtime import OffloadRuntime, layer_kind
 
 PROMPT, DECODED = 24, 6
@@ -46,16 +51,16 @@ def test_modelled_bytes_are_the_runtimes(method, runtime, model_name):
     batch = 2
     report = OffloadRuntime(model, m, runtime=runtime).generate(random_ids(PROMPT, cfg.arch.vocab_size, batch),
                                                                 DECODED)
-    shape = perf.Shape.of(cfg)
+    shape = Shape.of(cfg)
     fresh = method_from_conf(method)
-    plan = perf.plan(fresh, shape, runtime, PROMPT + DECODED)
+    plan = layer_plan(fresh, shape, runtime, PROMPT + DECODED)
     assert plan.kinds == [layer_kind(m, layer, runtime) for layer in OffloadRuntime(model, m, runtime).layers]
     logged = {(step, layer): (nbytes, rows) for step, layer, nbytes, rows in report.fetch_log}
     for step in range(DECODED):
         past = PROMPT + step
         selected = [logged.get((step, i), (0, 0))[1] / (batch * shape.kv_heads) if k == "gather" else 0.0
                     for i, k in enumerate(plan.kinds)]
-        modelled = perf.step_bytes(fresh, shape, plan, batch, past, PROMPT, selected)
+        modelled = step_bytes(fresh, shape, plan, batch, past, PROMPT, selected)
         measured = [logged.get((step, i), (0, None))[0] for i in range(shape.layers)]
         assert modelled == pytest.approx(measured, abs=0), f"step {step}"
     assert sum(report.h2d_bytes) == sum(b for (b, _) in logged.values())
@@ -64,11 +69,11 @@ def test_modelled_bytes_are_the_runtimes(method, runtime, model_name):
 def test_opt_13b_point_from_its_config_alone():
     """An OPT-13B point is computed without weights (the census runs a 16-wide stand-in once, then is cached)."""
     cfg = model_cfg("opt-13b")
-    hw = perf.hardware(profile())
+    hw = hardware(profile())
     method = method_from_conf("offload")
-    perf.modelled_steps(hw, cfg, method, "auto", 20, 1920, 4, None)  # census, cached
+    modelled_steps(hw, cfg, method, "auto", 20, 1920, 4, None)  # census, cached
     t0 = time.perf_counter()
-    steps = perf.modelled_steps(hw, cfg, method, "auto", 20, 1920, 128, None)
+    steps = modelled_steps(hw, cfg, method, "auto", 20, 1920, 128, None)
     assert time.perf_counter() - t0 < 1.0
     # full offload of OPT-13B at batch 20: every step moves the whole fp16 KV over PCIe 3
     kv = 2 * 40 * 20 * 5120 * 2  # bytes per token: K and V, 40 layers, batch 20, hidden 5120, fp16
@@ -79,17 +84,17 @@ def test_opt_13b_point_from_its_config_alone():
 def test_prefetch_hides_a_fetch_behind_the_previous_layer():
     """A gather speculated at attention_start overlaps the previous layer; the same gather at `query` does not."""
     cfg = model_cfg("opt-13b")
-    hw = perf.hardware(profile())
+    hw = hardware(profile())
     ahead = method_from_conf("infinigen", skew=False)
     assert ahead.speculation_point == "attention_start"
     sync = method_from_conf("infinigen", skew=False, speculate_from="current")
-    shape = perf.Shape.of(cfg)
+    shape = Shape.of(cfg)
     kinds = ["resident"] + ["gather"] * (shape.layers - 1)
     fractions = [1.0] + [0.1] * (shape.layers - 1)
     zero = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
-    runs = {name: perf.decode_steps(m, cfg, hw, "auto", 8, 1920, 3, fractions, zero, zero)[-1]
+    runs = {name: decode_steps(m, cfg, hw, "auto", 8, 1920, 3, fractions, zero, zero)[-1]
             for name, m in (("ahead", ahead), ("sync", sync))}
-    assert kinds == perf.plan(ahead, shape, "auto", 1923).kinds
+    assert kinds == layer_plan(ahead, shape, "auto", 1923).kinds
     assert runs["ahead"]["h2d_bytes"] == runs["sync"]["h2d_bytes"]
     assert runs["ahead"]["exposed_transfer_s"] < runs["sync"]["exposed_transfer_s"]
     assert runs["ahead"]["step_s"] < runs["sync"]["step_s"]
@@ -97,8 +102,8 @@ def test_prefetch_hides_a_fetch_behind_the_previous_layer():
 
 def test_host_is_device_adds_host_work_and_crosses_nothing():
     cfg = model_cfg("smollm2-135m")
-    hw = perf.hardware(profile(h2d_gbps=None, d2h_gbps=None))
-    steps = perf.modelled_steps(hw, cfg, method_from_conf("offload"), "auto", 1, 256, 3, None)
+    hw = hardware(profile(h2d_gbps=None, d2h_gbps=None))
+    steps = modelled_steps(hw, cfg, method_from_conf("offload"), "auto", 1, 256, 3, None)
     assert steps[-1]["exposed_transfer_s"] == 0 and steps[-1]["transfer_s"] == 0
 
 
@@ -108,23 +113,23 @@ def test_host_is_device_adds_host_work_and_crosses_nothing():
                                          ("pageable_gbps", "slow")])
 def test_bad_profiles_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"hardware.{field}|h2d_gbps and hardware.d2h_gbps"):
-        perf.hardware(profile(**{field: value}))
+        hardware(profile(**{field: value}))
     cfg = profile()
     del cfg["host_gbps"]
     with pytest.raises(ValueError, match="hardware.host_gbps is missing"):
-        perf.hardware(cfg)
+        hardware(cfg)
 
 
 def test_the_lm_head_is_priced_at_its_own_rate_where_a_profile_has_one():
     """head_tflops (a CPU's rate for the (vocab, hidden) shape) moves the step by exactly the head's FLOPs at the
     two rates; absent or null, the head runs at matmul_tflops."""
     cfg = model_cfg("smollm2-135m")
-    shape = perf.Shape.of(cfg)
+    shape = Shape.of(cfg)
     zeros = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
 
     def step_s(**rates) -> float:
-        hw = perf.hardware(profile(h2d_gbps=None, d2h_gbps=None, matmul_tflops=1e-3, **rates))
-        return perf.decode_steps(method_from_conf("full"), cfg, hw, "auto", 8, 64, 1, None, zeros, zeros)[0]["step_s"]
+        hw = hardware(profile(h2d_gbps=None, d2h_gbps=None, matmul_tflops=1e-3, **rates))
+        return decode_steps(method_from_conf("full"), cfg, hw, "auto", 8, 64, 1, None, zeros, zeros)[0]["step_s"]
 
     flops = 2 * 8 * shape.hidden * shape.vocab
     assert step_s(head_tflops=None) == step_s()
@@ -177,12 +182,12 @@ def test_a_profile_of_this_machine_times_the_context_cost_a_gpu_profile_prices_b
 
     monkeypatch.setattr(census, "census", fake)
     cfg, kinds = model_cfg("smollm2-135m"), ["resident"] * 30
-    gpu = perf.hardware(profile())
-    priced = perf.context_seconds(gpu, cfg, method_from_conf("full"), "auto", 1, kinds)
+    gpu = hardware(profile())
+    priced = context_seconds(gpu, cfg, method_from_conf("full"), "auto", 1, kinds)
     assert priced[0]["attention"] == pytest.approx(2 / gpu.copy_gbps + 1 / gpu.gather_gbps)
     assert asked == ["stream", "indexed"]
-    local = perf.hardware(profile(dispatch="stand_in"))
-    assert perf.context_seconds(local, cfg, method_from_conf("full"), "auto", 1, kinds)[0]["attention"] == 7e-6
+    local = hardware(profile(dispatch="stand_in"))
+    assert context_seconds(local, cfg, method_from_conf("full"), "auto", 1, kinds)[0]["attention"] == 7e-6
     assert asked[-1] == "context_seconds"
 
 
@@ -201,19 +206,19 @@ def test_a_profile_of_this_machine_times_the_code_at_the_runs_size(monkeypatch):
 
     monkeypatch.setattr(census, "census", fake)
     cfg, method = model_cfg("smollm2-135m"), method_from_conf("infinigen")
-    shape = perf.Shape.of(cfg)
-    p = perf.plan(method, shape, "auto", 2048)
-    local = perf.hardware(profile(dispatch="stand_in"))
-    dispatch, timed_at = perf.dispatch_seconds(local, cfg, method, "auto", 8, 1024, p.kinds)
+    shape = Shape.of(cfg)
+    p = layer_plan(method, shape, "auto", 2048)
+    local = hardware(profile(dispatch="stand_in"))
+    dispatch, timed_at = dispatch_seconds(local, cfg, method, "auto", 8, 1024, p.kinds)
     assert ("point_seconds", 1024) in asked and timed_at == census.timed_context(1024) > 1024
     assert dispatch[1]["speculation"] == 1e-3 and dispatch[1]["host"] == 5e-3
-    context_s = perf.context_seconds(local, cfg, method, "auto", 8, p.kinds)[1]
-    work = {n: perf.layer_work(local, shape, p, method, 1, 8, n, n, context_s, timed_at) for n in (timed_at,
+    context_s = context_seconds(local, cfg, method, "auto", 8, p.kinds)[1]
+    work = {n: layer_work(local, shape, p, method, 1, 8, n, n, context_s, timed_at) for n in (timed_at,
                                                                                                  timed_at + 100)}
     assert work[timed_at + 100].attention - work[timed_at].attention == pytest.approx(8 * 100 * 1e-6)
     assert work[timed_at + 100].speculation - work[timed_at].speculation == pytest.approx(8 * 100 * 1e-6)
-    gpu = perf.hardware(profile())
-    ops, at = perf.dispatch_seconds(gpu, cfg, method, "auto", 8, 1024, p.kinds)
+    gpu = hardware(profile())
+    ops, at = dispatch_seconds(gpu, cfg, method, "auto", 8, 1024, p.kinds)
     assert at == 0 and ops[1]["attention"] == pytest.approx(gpu.launch_us * 1e-6)
 
 
@@ -222,13 +227,13 @@ def test_a_profile_of_this_machine_prices_attending_once():
     entries (and the selection's partial Q.K): a CPU profile's roofline prices the weights only, a GPU profile's
     the FLOPs over what is attended."""
     cfg = model_cfg("smollm2-135m")
-    shape, method = perf.Shape.of(cfg), method_from_conf("infinigen")
-    p = perf.plan(method, shape, "auto", 4096)
+    shape, method = Shape.of(cfg), method_from_conf("infinigen")
+    p = layer_plan(method, shape, "auto", 4096)
     gather = p.kinds.index("gather")
     context_s = dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)
     for dispatch, grows in (("stand_in", False), ("ops", True)):
-        hw = perf.hardware(profile(dispatch=dispatch, matmul_tflops=1e-3))
-        work = {n: perf.layer_work(hw, shape, p, method, gather, 8, n, n, context_s) for n in (64, 4096)}
+        hw = hardware(profile(dispatch=dispatch, matmul_tflops=1e-3))
+        work = {n: layer_work(hw, shape, p, method, gather, 8, n, n, context_s) for n in (64, 4096)}
         assert (work[4096].attention > 2 * work[64].attention) is grows
         assert (work[4096].speculation > 2 * work[64].speculation) is grows
 
@@ -254,12 +259,12 @@ def test_the_interim_h200_profile_is_valid_and_says_where_each_number_comes_from
     every field is labelled measured, derived (from a row of docs/gpu that docs/speed.md does not validate) or
     datasheet / assumed, in its own line or the comment lines just above it."""
     path = ROOT / "conf" / "hardware" / "h200_pcie5_measured.yaml"
-    hw = perf.hardware(OmegaConf.load(path))
+    hw = hardware(OmegaConf.load(path))
     assert hw.h2d_gbps == 54.6 and hw.pageable_gbps == 18.0 and hw.dispatch == "ops"
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
         name = line.split(":")[0]
-        if name in perf.HARDWARE_FIELDS:
+        if name in HARDWARE_FIELDS:
             said = " ".join(lines[max(0, i - 6): i + 1])
             assert any(w in said for w in ("measured", "derived", "datasheet", "assumed")), name
 
@@ -307,28 +312,28 @@ def test_a_host_sync_serialises_host_and_device():
     """Between syncs the host queues ops ahead of the device; at each the host waits for the device to drain, so
     a segment whose device work outlasts its dispatch ends, with syncs, when the device does, and a decode step
     whose every layer syncs takes longer than the same step without."""
-    clock = perf.Clock(overlap=True)
+    clock = Clock(overlap=True)
     clock.segment(1.0, 4.0)
     assert (clock.host, clock.device) == (1.0, 4.0)  # queued ahead
-    clock = perf.Clock(overlap=True)
+    clock = Clock(overlap=True)
     clock.segment(1.0, 4.0, syncs=2)  # half the ops (0.5 s, 2 s of device), sync, the other half, sync
     assert (clock.host, clock.device) == (4.0, 4.0) and clock.waits["syncs"] == 2
     assert clock.waits["sync_wait"] == pytest.approx(1.5 + 1.5)
-    clock = perf.Clock(overlap=True, lead=0.1)  # after a sync the device waits for the next op to be queued
+    clock = Clock(overlap=True, lead=0.1)  # after a sync the device waits for the next op to be queued
     clock.segment(1.0, 4.0, syncs=2)
     assert clock.device == pytest.approx(0.1 + 2 + 0.1 + 2)
 
     cfg = model_cfg("opt-13b")
-    shape = perf.Shape.of(cfg)
-    hw = perf.hardware(profile(launch_us=5.0))
+    shape = Shape.of(cfg)
+    hw = hardware(profile(launch_us=5.0))
     method = method_from_conf("full")
     dispatch = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 40e-6)] * (shape.layers + 1)
     zero = [dict.fromkeys(("attention", "speculation", "ffn", "norms", "host"), 0.0)] * (shape.layers + 1)
-    events = perf.no_events(shape.layers)
-    free = perf.decode_steps(method, cfg, hw, "auto", 20, 1920, 2, None, dispatch, zero, 0, events)[-1]
+    events = no_events(shape.layers)
+    free = decode_steps(method, cfg, hw, "auto", 20, 1920, 2, None, dispatch, zero, 0, events)[-1]
     for layer in events[:-1]:
         layer["syncs"]["attention"] = 1.0
-    synced = perf.decode_steps(method, cfg, hw, "auto", 20, 1920, 2, None, dispatch, zero, 0, events)[-1]
+    synced = decode_steps(method, cfg, hw, "auto", 20, 1920, 2, None, dispatch, zero, 0, events)[-1]
     assert synced["syncs"] == shape.layers and synced["sync_wait_s"] > 0 == free["sync_wait_s"]
     assert synced["step_s"] > free["step_s"]
 
@@ -336,8 +341,8 @@ def test_a_host_sync_serialises_host_and_device():
 def test_a_write_back_on_the_fetch_worker_queues_behind_the_copies():
     """A write-back job on the fetch worker (the 2f67c00 runtime's pool scatter) waits for its device->host copy,
     queued on the copy stream behind the fetch already there; a fetch issued after it queues behind the job."""
-    hw = perf.hardware(profile(h2d_gbps=10.0, d2h_gbps=10.0, host_gbps=1e6))
-    clock, link = perf.Clock(overlap=True), perf.Link(hw)
+    hw = hardware(profile(h2d_gbps=10.0, d2h_gbps=10.0, host_gbps=1e6))
+    clock, link = Clock(overlap=True), Link(hw)
     landed, _, _ = link.fetch(clock, 0.0, 0.0, 10e9, gathered=False)  # 1 s on the link
     assert landed == pytest.approx(1.0)
     done = link.writeback(clock, 10e6)  # behind it: 1 ms of copy
@@ -389,17 +394,17 @@ def test_local_layers_are_priced_within_their_window():
     context; global layers send and select over everything."""
     from conftest import model_cfg
 
-    shape = perf.Shape.of(model_cfg("gemma3-270m"))
+    shape = Shape.of(model_cfg("gemma3-270m"))
     assert shape.windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
-    assert perf.Shape.of(model_cfg("tiny-llama-gqa")).windows == ()
+    assert Shape.of(model_cfg("tiny-llama-gqa")).windows == ()
     offload = method_from_conf("offload")
-    p = perf.plan(offload, shape, "auto", 4096)
+    p = layer_plan(offload, shape, "auto", 4096)
     row = shape.kv_heads * p.row_bytes[0]
-    sent = perf.step_bytes(offload, shape, p, 1, 3000, 2048, [0.0] * shape.layers)
+    sent = step_bytes(offload, shape, p, 1, 3000, 2048, [0.0] * shape.layers)
     assert sent == [(3000 if w is None else 511) * row for w in shape.windows]
-    gather = perf.plan(method_from_conf("infinigen"), shape, "auto", 4096)
+    gather = layer_plan(method_from_conf("infinigen"), shape, "auto", 4096)
     assert any(k == "gather" and w for k, w in zip(gather.kinds, shape.windows))
-    selected = perf.selected_counts([0.25] * shape.layers, gather, 3001)
+    selected = selected_counts([0.25] * shape.layers, gather, 3001)
     for i, w in enumerate(shape.windows):
         if gather.kinds[i] == "gather":
             assert selected[i] == pytest.approx(0.25 * (3001 if w is None else 512) - 1)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from infinigen.offload import perf
+from infinigen.offload.plan import Plan, Shape, held_rows, plan
+from infinigen.offload.profile import Hardware
+from infinigen.offload.roofline import head_seconds, roofline
 
 SCHEDULES = ("overlapped", "paper")
 # the conf/method names of the schemes the artifact ran (full: the ideal, everything on the GPU)
@@ -117,7 +119,7 @@ def scheme(kind: str, evicting: bool, decodes: bool) -> str:
     return "h2o" if evicting else "flexgen"
 
 
-def schemes(p: perf.Plan, sw: Switches) -> list[str]:
+def schemes(p: Plan, sw: Switches) -> list[str]:
     """Per layer, the artifact's scheme; a selecting method's first `dense_layers` load their whole cache."""
     selecting = "gather" in p.kinds
     return ["flexgen" if selecting and i < sw.dense_layers else scheme(k, e, d)
@@ -135,7 +137,7 @@ class Rates:
     device: float
 
     @classmethod
-    def of(cls, hw: perf.Hardware) -> "Rates":
+    def of(cls, hw: Hardware) -> "Rates":
         if hw.host_is_device:
             raise ValueError(f"hardware={hw.name}: the paper schedule needs a GPU profile (host->device rates); "
                              f"this one is a CPU's")
@@ -144,14 +146,14 @@ class Rates:
                    (hw.host_copy_gbps or gather) * 1e9, hw.copy_gbps * 1e9)
 
 
-def compute_seconds(hw: perf.Hardware, shape: perf.Shape, batch: int, attended: float, kv_bytes: float,
+def compute_seconds(hw: Hardware, shape: Shape, batch: int, attended: float, kv_bytes: float,
                     speculation: float = 0.0) -> dict:
     """One layer's device seconds at decode: attention (projections, `attended` entries per (row, head) moved
     ATTEND_PASSES times, `kv_bytes` of cached K|V elements) and MLP (its dispatch is the layer's `dispatch`)."""
     b, e = batch, shape.elem
-    attn = perf.roofline(hw, 2 * b * shape.attn_weights + 4 * b * shape.heads * attended * shape.head_dim,
+    attn = roofline(hw, 2 * b * shape.attn_weights + 4 * b * shape.heads * attended * shape.head_dim,
                          shape.attn_weights * e) + ATTEND_PASSES * kv_bytes / (hw.copy_gbps * 1e9)
-    mlp = perf.roofline(hw, 2 * b * shape.ffn_weights, shape.ffn_weights * e)
+    mlp = roofline(hw, 2 * b * shape.ffn_weights, shape.ffn_weights * e)
     return {"attention": attn + speculation, "mlp": mlp}
 
 
@@ -183,7 +185,7 @@ def fixed_h2o_rows(method, i: int, prompt_len: int) -> int:
     return prompt_len if i < 2 else method.max_held(prompt_len)
 
 
-def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: Switches, batch: int,
+def layer_terms(method, shape: Shape, p: Plan, hw: Hardware, sw: Switches, batch: int,
                 prompt_len: int, past: int, fractions: list[float] | str | None, weight_share: float) -> list[dict]:
     """Per layer, seconds of one decode step with `past` earlier tokens under the artifact's schedule: what the
     layer adds to the step (`layer`) and its terms."""
@@ -205,7 +207,7 @@ def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: 
             dequant = DEQUANT_BYTES * past * bh * 2 * shape.head_dim / r.device if sw.serial_dequant else 0.0
         elif name == "h2o":
             rows = (fixed_h2o_rows(method, i, prompt_len) if sw.fixed_h2o
-                    else perf.held_rows(method, p, i, past, prompt_len))
+                    else held_rows(method, p, i, past, prompt_len))
             attended = rows + 1
             host = 2 * rows * bh * kv_row / r.copy if sw.pageable else 0.0  # home -> pinned prefetch_kv
             # h2o/flex_opt.py generation_loop_normal: layers 0-1 load their cache in series; from layer 2 on the
@@ -225,7 +227,7 @@ def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: 
             # it runs beside that layer's MLP, and the device waits for it before this attention
             prefetched = rows * bh * kv_row / r.pinned
             lw = shape.layer(i)
-            spec = perf.roofline(hw, batch * method.selection_flops(lw, seen - 1),
+            spec = roofline(hw, batch * method.selection_flops(lw, seen - 1),
                                  method.selection_flops(lw, 0) / 2 * shape.elem)
         c = compute_seconds(hw, shape, batch, attended, attended * bh * kv_row, spec)
         weights = weight_share * (shape.attn_weights + shape.ffn_weights) * shape.elem / r.pinned
@@ -242,15 +244,15 @@ def layer_terms(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: 
     return out
 
 
-def decode_step(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: Switches, batch: int,
+def decode_step(method, shape: Shape, p: Plan, hw: Hardware, sw: Switches, batch: int,
                 prompt_len: int, past: int, fractions: list[float] | str | None, weight_share: float) -> dict:
     """Seconds of one decode step (the layers, then the LM head) and its terms summed over the layers."""
     layers = layer_terms(method, shape, p, hw, sw, batch, prompt_len, past, fractions, weight_share)
     out = {f"{k}_s": sum(t[k] for t in layers) for k in layers[0] if k != "layer"}
-    return {"step_s": sum(t["layer"] for t in layers) + perf.head_seconds(hw, shape, batch), **out}
+    return {"step_s": sum(t["layer"] for t in layers) + head_seconds(hw, shape, batch), **out}
 
 
-def prefill_seconds(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, sw: Switches, batch: int,
+def prefill_seconds(method, shape: Shape, p: Plan, hw: Hardware, sw: Switches, batch: int,
                     prompt_len: int, weight_share: float) -> float:
     """The artifact's prefill: each layer's weights (the offloaded share), its compute (the scores materialised
     by bmm), then its KV stored to the host home (compressed for INT4; H2O's pruned rows), layer after layer."""
@@ -258,7 +260,7 @@ def prefill_seconds(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, 
     b, P, e = batch, prompt_len, shape.elem
     total = 0.0
     for i, name in enumerate(schemes(p, sw)):
-        compute = perf.roofline(hw, 2 * b * P * (shape.attn_weights + shape.ffn_weights)
+        compute = roofline(hw, 2 * b * P * (shape.attn_weights + shape.ffn_weights)
                                 + 4 * b * shape.heads * P * P * shape.head_dim,
                                 (shape.attn_weights + shape.ffn_weights) * e + 12 * b * P * shape.hidden * e
                                 + PREFILL_SCORE_BYTES * b * shape.heads * P * P)
@@ -269,14 +271,14 @@ def prefill_seconds(method, shape: perf.Shape, p: perf.Plan, hw: perf.Hardware, 
             store = b * shape.kv_heads * rows * row / (r.pageable if sw.pageable else r.pinned)
         weights = weight_share * (shape.attn_weights + shape.ffn_weights) * e / r.pinned
         total += compute + store + weights if sw.serial else max(compute, store + weights)
-    return total + perf.head_seconds(hw, shape, b)
+    return total + head_seconds(hw, shape, b)
 
 
 def weight_share_of(sw: Switches, model_name: str) -> float:
     return ARTIFACT_WEIGHT_OFFLOAD.get(model_name, 0.0) if sw.weight_offload is None else float(sw.weight_offload)
 
 
-def modelled(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
+def modelled(method, model_cfg, hw: Hardware, runtime: str, batch: int, prompt_len: int, gen_len: int,
              fractions: list[float] | str | None, overrides: dict | None = None) -> dict:
     """The latency task's metrics under the artifact's schedule: decode ms per token, prefill, total latency and
     FlexGen's throughput, with each step's terms (medians over the steps). As flex_opt.py run_flexgen times it, the
@@ -285,8 +287,8 @@ def modelled(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, pro
         raise ValueError(f"task.gen_len must be >= 2 under task.schedule=paper (the prefill yields the first "
                          f"token, then gen_len - 1 decode steps), got {gen_len!r}")
     sw = switches(overrides)
-    shape = perf.Shape.of(model_cfg)
-    p = perf.plan(method, shape, runtime, prompt_len + gen_len)
+    shape = Shape.of(model_cfg)
+    p = plan(method, shape, runtime, prompt_len + gen_len)
     share = weight_share_of(sw, str(model_cfg.get("name", "")))
     steps = [decode_step(method, shape, p, hw, sw, batch, prompt_len, prompt_len + s, fractions, share)
              for s in range(gen_len - 1)]
@@ -305,13 +307,13 @@ def modelled(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, pro
     }
 
 
-def block_split(method, model_cfg, hw: perf.Hardware, runtime: str, batch: int, context: int,
+def block_split(method, model_cfg, hw: Hardware, runtime: str, batch: int, context: int,
                 fractions: list[float] | str | None, overrides: dict | None = None) -> dict:
     """Fig. 18: one decoder block past the dense layers at `context` tokens under the artifact's schedule: its
     seconds and the share that is movement (copies, host work, dequantisation) rather than compute."""
     sw = switches(overrides)
-    shape = perf.Shape.of(model_cfg)
-    p = perf.plan(method, shape, runtime, context + 1)
+    shape = Shape.of(model_cfg)
+    p = plan(method, shape, runtime, context + 1)
     share = weight_share_of(sw, str(model_cfg.get("name", "")))
     terms = layer_terms(method, shape, p, hw, sw, batch, context, context, fractions, share)
     block = terms[max(2, sw.dense_layers)]
