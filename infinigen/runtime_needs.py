@@ -74,7 +74,7 @@ class GatheringNeeds:
 
     def selection_flops(self, layer: AttentionLayer, past: int) -> float:
         """FLOPs one batch row's `select` spends ranking `past` entries, for the performance model
-        (infinigen/offload/perf.py; the bytes it moves are counted by running it): each query head dotted with
+        (infinigen/offload/roofline.py; the bytes it moves are counted by running it): each query head dotted with
         `past` stored vectors of `score_channels` elements."""
         return 2.0 * layer.num_heads * past * self.score_channels(layer)
 

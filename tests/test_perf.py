@@ -249,6 +249,10 @@ def test_a_census_is_keyed_by_the_code_it_times_not_by_the_model_that_reads_it()
     assert "infinigen/offload/perf.py" not in files
     assert "baselines/h2o.py" in {Path(f).relative_to(ROOT).as_posix()
                                   for f in census.code_files(method_from_conf("h2o"))}
+    # narrowed to what a method's census runs (issue 57): another method's file, or the model's, re-times nothing
+    h2o = {Path(f).relative_to(ROOT).as_posix() for f in census.code_files(method_from_conf("h2o"))}
+    assert "baselines/tova.py" not in h2o and "infinigen/method/infinigen.py" not in h2o
+    assert not {f"infinigen/offload/{m}.py" for m in ("perf", "profile", "plan", "roofline", "clock")} & (files | h2o)
 
 
 # ----------------------------------------------------------------------------------------------- the model on a GPU

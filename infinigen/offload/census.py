@@ -42,15 +42,15 @@ made without a device, and what ops on them return. The timed measures run the C
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
-model structure and the source of the code they time (not perf.py, which only reads them).
+model structure and the source of the code they time (`code_files`: not the performance model, which only reads them).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import os
 import platform
@@ -464,14 +464,63 @@ def _source(files: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
+# the performance model (infinigen/offload/): it reads a census and never runs in one, so it is not what a census
+# measures (a model-only change is checked against the censuses a validation run timed)
+MODEL_MODULES = tuple(f"infinigen.offload.{name}" for name in ("perf", "profile", "plan", "roofline", "clock"))
+PROJECT = Path(adapter.__file__).resolve().parents[1] if Path(adapter.__file__).name != "__init__.py" \
+    else Path(adapter.__file__).resolve().parents[2]
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of project module `name` (a package's __init__.py), None for a name that is not a module (a class
+    or function imported from one)."""
+    base = PROJECT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(path: Path) -> set[str]:
+    """Project modules `path` imports, at its top or inside a function, with the packages above each."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in found:
+            parts = name.split(".")
+            if parts[0] in ("infinigen", "baselines"):
+                names |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _closure(roots: tuple[str, ...]) -> tuple[str, ...]:
+    files, todo, seen = set(), list(roots), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in MODEL_MODULES:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is not None:
+            files.add(str(path))
+            todo += sorted(_imported(path))
+    return tuple(sorted(files))
+
+
 def code_files(method) -> list[str]:
-    """The runtime's and the method's source (its package: helpers live beside it), without the performance
-    model: it reads a census and does not change what one measures, so a model-only change can be checked against
-    the censuses a validation run timed."""
-    folders = {Path(adapter.__file__).parent} | {Path(inspect.getfile(c)).parent for c in type(method).__mro__
-                                                  if c.__module__ not in ("builtins", "abc", "typing")}
-    model = Path(__file__).with_name("perf.py")
-    return sorted(str(p) for folder in folders for p in folder.rglob("*.py") if p != model)
+    """The code a census of `method` runs: the modules of its class and the classes it builds on, this module (the
+    runtime, the adapter), and every project module they import, at any depth, without the performance model. So
+    editing one method re-times its own censuses only, and editing the runtime re-times every method's."""
+    roots = {c.__module__ for c in type(method).__mro__ if c.__module__.split(".")[0] in ("infinigen", "baselines")}
+    roots |= {__name__}
+    packages = {".".join(r.split(".")[:i]) for r in roots for i in range(1, r.count(".") + 1)}
+    return list(_closure(tuple(sorted(roots | packages))))
 
 
 def code_fingerprint(method) -> str:

@@ -1,4 +1,4 @@
-"""How one layer's decode step runs in the offloading runtime, per offload kind (infinigen/contract.py
+"""How one layer's decode step runs in the offloading runtime, per offload kind (infinigen/runtime_needs.py
 OFFLOAD_KINDS). Every executor calls the method's own decode-step code; what differs is where the KV lives and
 when it crosses the link:
 

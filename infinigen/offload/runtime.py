@@ -2,7 +2,7 @@
 and the host->device traffic each method implies actually moved (CUDA) or counted and modelled (CPU).
 
 Each method declares per layer what it needs (`KVMethod.offload_kind`: resident | held | gather, see
-infinigen/contract.py); `runtime` overrides it: ideal keeps every layer resident, offload moves a resident
+infinigen/runtime_needs.py); `runtime` overrides it: ideal keeps every layer resident, offload moves a resident
 method's KV to the host (held). The executors (infinigen/offload/executors.py) run the method's own decode-step
 code around the transfers, so a run computes what the method's decode mode computes (tests/test_latency.py checks
 it against sim mode for every method in conf/method/). InfiniGen's recall statistic needs every key on the
