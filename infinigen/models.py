@@ -1,7 +1,7 @@
 """Model configs (`conf/model/*.yaml`) checked and located without importing torch or transformers.
 
 Everything here reads only the cfg, the file system and a checkpoint's config.json as JSON, so a bad model
-option is refused within a second; infinigen/adapter.py loads what these functions describe.
+option is refused within a second; infinigen/adapter/loading.py loads what these functions describe.
 """
 
 from __future__ import annotations
