@@ -106,7 +106,7 @@ SIM_BUDGET = 120.0  # seconds a sim point may be projected to take before it is 
 # per forward, before it calls the mask function the adapter registers, so no mask function avoids it.
 # `modes.sim_*` through `adapter.final_hidden` is where the repository's code asks for it.
 SIM_MASK_SYNC = {"is_nonzero": 1}
-SIM_MASK_SITE = "infinigen/adapter.py"
+SIM_MASK_SITE = "infinigen/adapter/layers.py"
 # methods whose exact semantics evict in order, one decoded row at a time (infinigen/shared/eviction.py replays their
 # rows): their ops grow with t by a few per decoded row and layer; every other method's sim forward is closed-form
 SEQUENTIAL = ("h2o", "tova")

@@ -138,7 +138,7 @@ def half_sim_against_float32(method_name: str, model_name: str, dtype: str) -> R
     selection, not precision. Its own calibration runs in every sim == decode == runtime check."""
     if method_name != "infinigen":
         return sim_run(method_name, model_name, dtype)
-    from infinigen.infinigen_method import skew
+    from infinigen.method import skew
 
     model, reference = fresh_model(model_name, dtype), fresh_model(model_name, "float32")
     ids = sample_ids(model_name, PROMPT + DECODED)
@@ -273,7 +273,7 @@ def smollm2_run(model, tokenizer, method) -> dict:
 
 @pytest.mark.slow
 def test_smollm2_perplexity_in_bfloat16_is_float32s(data_dir, monkeypatch):
-    from infinigen.infinigen_method import infinigen as infinigen_module
+    from infinigen.method import infinigen as infinigen_module
     from infinigen.method.skew import Skew
 
     fp32, tokenizer = load_model("smollm2-135m")
