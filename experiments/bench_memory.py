@@ -108,14 +108,14 @@ def write_row(results: str, args, length: int, task_rss: int, fwd_rss: int, load
 
     sys.path.insert(0, str(ROOT))
     from analysis import store
-    from experiments import runner
+    from experiments import identity
 
     config = {"benchmark": "memory", "model": {"name": args.model}, "method": {"name": args.method},
               "task": {"name": "ppl", "seq_len": length, "max_windows": 1, "dataset": "wikitext2"}}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     metrics = {"benchmark": "memory", "seq_len": length, "task_peak_gb": task_rss / 1e9,
                "forward_peak_gb": fwd_rss / 1e9, "loaded_gb": loaded / 1e9, "ppl": task_ppl, "forward_ppl": fwd_ppl}
-    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": "cpu",
+    meta = {"git_commit": identity.git_commit(), "versions": identity.versions(), "device": "cpu",
             "threads": torch.get_num_threads(), "host": platform.node(),
             "finished": datetime.now(timezone.utc).isoformat()}
     row = {"config_hash": digest, "model": args.model, "method": args.method, "task": "memory", "data": {},

@@ -84,7 +84,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from analysis import store  # noqa: E402
-from experiments import runner  # noqa: E402
+from experiments import identity  # noqa: E402
 from experiments.bench_sim import build_method, chosen_methods  # noqa: E402
 from infinigen import adapter, modes  # noqa: E402
 from infinigen.offload import census  # noqa: E402
@@ -395,7 +395,7 @@ def sim_point(model, method, tokens: int, dense_rows: int = 0, seed: int = 0) ->
 
 def method_params(name: str, method_cfg) -> dict:
     cfg = OmegaConf.to_container(method_cfg, resolve=True)
-    cfg.pop("calib_data_dir", None)  # a location, not what is computed (experiments/runner.py NON_SEMANTIC_METHOD)
+    cfg.pop("calib_data_dir", None)  # a location, not what is computed (infinigen/semantic.py NON_SEMANTIC_METHOD)
     return cfg
 
 
@@ -404,7 +404,7 @@ def write_row(results: str, model_cfg, method: str, mcfg: dict, overrides: list[
     config = {"benchmark": "ops", "model": OmegaConf.to_container(model_cfg, resolve=True),
               "method": mcfg, "task": task, "device": device}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": device,
+    meta = {"git_commit": identity.git_commit(), "versions": identity.versions(), "device": device,
             "threads": torch.get_num_threads(), "host": platform.node(),
             "finished": datetime.now(timezone.utc).isoformat()}
     params = {"name": method, **{k: v for k, v in mcfg.items() if k != "_target_"}}

@@ -308,11 +308,11 @@ def main(argv=None) -> dict:
 
 
 def run_meta(args, device: str) -> dict:
-    from experiments import runner
+    from experiments import identity
 
     meta = {"bench": "sim_seconds", "model": args.model, "random_init": args.random_init, "device": device,
             "attention": args.attention, "repeats": args.repeats, "torch": torch.__version__,
-            "git_commit": runner.git_commit(), "threads": torch.get_num_threads()}
+            "git_commit": identity.git_commit(), "threads": torch.get_num_threads()}
     if device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     return meta

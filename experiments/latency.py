@@ -101,7 +101,7 @@ def validate_config(cfg, method) -> None:
 
     hw = hardware(cfg.get("hardware"))
     if cfg.task.get("schedule", "overlapped") == "paper":
-        from experiments.runner import method_name
+        from experiments.identity import method_name
 
         if method_name(cfg) not in paper.PAPER_METHODS:
             raise ValueError(f"task.schedule=paper replays the artifact's runtime for the methods the paper ran "
@@ -174,7 +174,7 @@ def layer_fractions(cfg, method) -> tuple[list[float] | None, str | None]:
     if cfg.task.get("fetch_fraction") is not None:
         f = float(cfg.task.fetch_fraction)
         return [f if k == "gather" else 1.0 for k in kinds], f"given: task.fetch_fraction={f}"
-    from experiments.runner import method_name, method_params
+    from experiments.identity import method_name, method_params
 
     store_dir = Path(cfg.task.get("fractions_from") or "docs/store")
     store_dir = store_dir if store_dir.is_absolute() else ROOT / store_dir

@@ -165,16 +165,16 @@ def write_rows(results, cfg, mcfg, method, measured, modelled, name, ratio, wall
     import torch
 
     from analysis import store
-    from experiments import runner
+    from experiments import identity
 
-    meta = {"git_commit": runner.git_commit(), "versions": runner.versions(), "device": device,
+    meta = {"git_commit": identity.git_commit(), "versions": identity.versions(), "device": device,
             "threads": torch.get_num_threads(), "wall_s": wall_s, "host": platform.node(),
             "finished": datetime.now(timezone.utc).isoformat(), "random_init": False}
     measured.update(validation_point=name)
     modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"], ratio=ratio)
     for c, metrics in ((cfg, measured), (mcfg, modelled)):
-        digest = runner.config_hash(c)
-        rows = runner.make_rows(c, method, digest, [metrics], meta)
+        digest = identity.config_hash(c)
+        rows = identity.make_rows(c, method, digest, [metrics], meta)
         for row in rows:
             row["method"] = row["method_params"]["name"] = POINTS[name][0]
         store.append_rows(results, digest, rows)
@@ -188,7 +188,7 @@ def remodel(args, hardware: dict, data_dir) -> int:
 
     from analysis import store
     from analysis.store import rows_dir
-    from experiments import latency, runner
+    from experiments import identity, latency
 
     measured_rows = []
     for path in sorted(rows_dir(args.results).glob("*.jsonl")):
@@ -217,10 +217,10 @@ def remodel(args, hardware: dict, data_dir) -> int:
         print(f"{name:<16} {task['batch_size']:>5} {task['prompt_len']:>6} {measured['decode_ms_median']:>9.1f} "
               f"{'':>15} {modelled['decode_ms_median']:>9.1f} {ratio:>6.2f}", flush=True)
         modelled.update(validation_point=name, measured_decode_ms=measured["decode_ms_median"], ratio=ratio)
-        digest = runner.config_hash(mcfg)
-        meta = {**row["meta"], "git_commit": runner.git_commit(), "measured_commit": row["meta"]["git_commit"],
+        digest = identity.config_hash(mcfg)
+        meta = {**row["meta"], "git_commit": identity.git_commit(), "measured_commit": row["meta"]["git_commit"],
                 "finished": datetime.now(timezone.utc).isoformat()}  # modelled now, of a run measured then
-        rows = runner.make_rows(mcfg, method, digest, [modelled], meta)
+        rows = identity.make_rows(mcfg, method, digest, [modelled], meta)
         for r in rows:
             r["method"] = r["method_params"]["name"] = method_cfg
         store.append_rows(args.results, digest, rows)

@@ -21,7 +21,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, ROOT, ModelLoaded, method_from_conf, refuse_model_load
-from experiments import runner
+from experiments import cli_errors, identity, runner, validation
 
 CONF = ROOT / "conf"
 pytestmark = pytest.mark.skipif(not (Path(DATA_DIR) / "wikitext-2").is_dir(),
@@ -125,7 +125,7 @@ def test_every_model_method_task_composes_and_validates(task, method):
         if task in ("ppl", "lm_eval") and method_from_conf(method).needs_prompt:
             cfg.task.dense_rows = 256
         assert (cfg.model.name, cfg.task.name) == (model, task)
-        runner.validate(cfg)
+        validation.validate(cfg)
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -139,10 +139,10 @@ def test_every_point_composes(point):
     target = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())["_target_"]
     prompt = ["task.dense_rows=512"] if get_class(target).needs_prompt else []  # e.g. ShadowKV compresses one
     cfg = compose_cfg(["+point=" + point, *prompt])
-    assert runner.method_name(cfg) == method
+    assert identity.method_name(cfg) == method
     for key, value in (spec.get("method") or {}).items():
         assert cfg.method[key] == value, (point, key)
-    runner.validate(cfg)
+    validation.validate(cfg)
 
 
 @pytest.mark.parametrize("preset", [slow_if_lm_eval(p, preset_task(p)) for p in PRESETS])
@@ -155,8 +155,8 @@ def test_every_run_of_every_preset_composes_and_validates(preset):
     hashes, point_methods, models = set(), {}, set()
     for overrides in runs:
         cfg = compose_cfg(overrides)
-        runner.validate(cfg)
-        hashes.add(runner.config_hash(cfg))
+        validation.validate(cfg)
+        hashes.add(identity.config_hash(cfg))
         models.add(cfg.model.name)
         # the sweeper puts `+point=...` before `+experiment=...`: a preset that overrode /method would replace the
         # method each point chose (the speculation preset's oracle points once ran InfiniGen)
@@ -253,7 +253,7 @@ def test_a_valid_config_does_reach_the_model_load(tmp_path):
     pytest.param(["task=lm_eval", "task.tasks=[not_a_task]"], ValueError, "unknown lm-eval task",
                  marks=pytest.mark.slow),
     (["task=lm_eval", "task.protocol=magic"], ValueError, "protocol"),
-    (["+method.bogus=1"], runner.UserError, "bogus"),
+    (["+method.bogus=1"], cli_errors.UserError, "bogus"),
     (["model.random_init=false"], ValueError, "random_init"),
 ])
 def test_bad_input_fails_before_any_model_load(overrides, error, match, tmp_path):
@@ -284,7 +284,7 @@ def test_bad_hyperparameters_fail_before_any_model_load(method, overrides, match
     if not (CONF / "method" / f"{method}.yaml").is_file():
         pytest.skip(f"conf/method/{method}.yaml not written yet")
     # the dataclass's ValueError (which Hydra's instantiate wraps) becomes a user error naming the option
-    with pytest.raises(runner.UserError, match=match) as err:
+    with pytest.raises(cli_errors.UserError, match=match) as err:
         runner.run(run_cfg([f"method={method}", *overrides], tmp_path))
     assert err.value.option == overrides[0].split("=")[0]
 
@@ -304,9 +304,9 @@ def test_hyperparameters_past_the_models_shape_fail_before_any_model_load(method
 def test_missing_data_file_fails_before_any_model_load(tmp_path):
     empty = tmp_path / "data"
     empty.mkdir()
-    with pytest.raises(runner.UserError, match="wiki.test.raw"):
+    with pytest.raises(cli_errors.UserError, match="wiki.test.raw"):
         runner.run(run_cfg([f"data_dir={empty}"], tmp_path))
-    with pytest.raises(runner.UserError, match="not a directory"):
+    with pytest.raises(cli_errors.UserError, match="not a directory"):
         runner.run(run_cfg([f"data_dir={tmp_path / 'nowhere'}"], tmp_path))
 
 
@@ -327,4 +327,4 @@ def test_config_hash_is_frozen(point):
     A changed hash means the rows stored under the old one no longer match (infinigen/semantic.py aliases moves)."""
     model, method = point.split("/")
     cfg = compose_cfg([f"model={model}", f"method={method}", "task=ppl"])
-    assert runner.config_hash(cfg) == FROZEN_HASHES[point]
+    assert identity.config_hash(cfg) == FROZEN_HASHES[point]

@@ -16,6 +16,9 @@ from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, ROOT, load_model, method_from_conf
 from experiments import ppl, runner
+from experiments.cli_errors import UserError
+from experiments.identity import config_hash, data_identity
+from experiments.validation import validate
 from infinigen import corpora as data
 from infinigen import adapter
 
@@ -109,8 +112,8 @@ def test_bad_corpus_files_fail_before_the_model_loads(content, message, tmp_path
 
 
 @pytest.mark.parametrize("dataset,error,message", [
-    ("file:/no/such/corpus.txt", runner.UserError, r"corpus file /no/such/corpus.txt .* not found"),
-    ("ptb_test", runner.UserError, r"dataset 'ptb_test' needs .*ptb/ptb.test.txt"),
+    ("file:/no/such/corpus.txt", UserError, r"corpus file /no/such/corpus.txt .* not found"),
+    ("ptb_test", UserError, r"dataset 'ptb_test' needs .*ptb/ptb.test.txt"),
     ("ptbb", ValueError, r"unknown dataset 'ptbb'; choose one of \['pg19', 'ptb', 'ptb_test', 'wikitext2'\]"),
     ("hf:wikitext/test/text", ValueError, r"must read 'hf:PATH/CONFIG/SPLIT/COLUMN"),
     ("file:", ValueError, r"names no file"),
@@ -196,14 +199,14 @@ def test_data_folders_hash_by_content(tmp_path, no_model_load):
     digest = {}
     for name, folder in [("a", a), ("moved", moved), ("b", b)]:
         cfg = cfg_of(["task.dataset=ptb"], tmp_path, data_dir=folder)
-        runner.validate(cfg)
-        digest[name] = runner.config_hash(cfg)
+        validate(cfg)
+        digest[name] = config_hash(cfg)
     assert digest["a"] == digest["moved"] != digest["b"]
     # the same holds for InfiniGen's calibration text, whose folder (calib_data_dir) is data_dir
     calib = {}
     for name, folder in [("a", a), ("moved", moved), ("b", b)]:
         write(folder / "pg19" / "pg19_firstbook.txt", "calibration text " * (20 if name != "b" else 21))
-        calib[name] = runner.config_hash(cfg_of(["task.dataset=file:" + str(a / "ptb" / "ptb.valid.txt"),
+        calib[name] = config_hash(cfg_of(["task.dataset=file:" + str(a / "ptb" / "ptb.valid.txt"),
                                                  "method=infinigen"], tmp_path, data_dir=folder))
     assert calib["a"] == calib["moved"] != calib["b"]
 
@@ -318,7 +321,7 @@ def test_include_path_data_is_in_the_hash_and_the_row(tmp_path, no_model_load):
     for include in (one, two, same):
         cfg = cfg_of(["task=lm_eval", f"task.include_path={include}", "task.tasks=[my_copa]"], tmp_path,
                      data_dir=None)
-        identity = runner.data_identity(cfg)
+        identity = data_identity(cfg)
         names = sorted(Path(f["path"]).name for f in identity["files"])
         assert names == ["docs.jsonl", "my_copa.yaml"]
         digests.append(identity["sha256"])
@@ -326,7 +329,7 @@ def test_include_path_data_is_in_the_hash_and_the_row(tmp_path, no_model_load):
     assert len(set(digests)) == 3
     # the named local tasks hash their data files under data_dir
     cfg = cfg_of(["task=lm_eval", "task.tasks=[copa]"], tmp_path)
-    (entry,) = runner.data_identity(cfg)["files"]
+    (entry,) = data_identity(cfg)["files"]
     assert entry["path"].endswith("copa/validation.jsonl") and entry["sha256"].startswith("fa61467c")
 
 

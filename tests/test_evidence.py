@@ -48,13 +48,13 @@ def test_a_ppl_row_keeps_each_windows_nll_and_tokens(tmp_path, data_dir):
 
 
 def test_skip_windows_reads_windows_after_the_skipped_ones(tmp_path, data_dir):
-    from experiments import runner
+    from experiments import cli_errors, runner, validation
 
     cfg = compose("model=tiny-llama", "method=full", "task=ppl", "task.seq_len=48", "task.max_windows=2",
                   "task.skip_windows=3", f"data_dir={data_dir}", f"results_dir={tmp_path}")
     assert runner.run(cfg)["metrics"]["units"]["id"] == [144, 192]
-    with pytest.raises(runner.UserError, match="task.skip_windows"):
-        runner.validate(compose("model=tiny-llama", "task=ppl", "task.seq_len=48", "task.skip_windows=-1",
+    with pytest.raises(cli_errors.UserError, match="task.skip_windows"):
+        validation.validate(compose("model=tiny-llama", "task=ppl", "task.seq_len=48", "task.skip_windows=-1",
                                 f"data_dir={data_dir}"))
 
 

@@ -29,8 +29,8 @@ LAYERS = [
 ]
 PACKAGES = ("infinigen", "baselines", "experiments", "analysis")
 # modules that import lower layers inside functions on purpose (fast validation); never upward
-LAZY = {"experiments.runner", "experiments.ppl", "experiments.latency", "experiments.lm_eval",
-        "experiments.needle", "experiments.generate", "infinigen.adapter",
+LAZY = {"experiments.runner", "experiments.validation", "experiments.identity", "experiments.ppl",
+        "experiments.latency", "experiments.lm_eval", "experiments.needle", "experiments.generate", "infinigen.adapter",
         # commands that set their process up first (glibc's allocator is read at start: they re-execute
         # themselves before the stack is imported; bench_memory measures what the import itself costs)
         "experiments.calibrate", "experiments.validate_perf", "experiments.bench_memory",

@@ -102,7 +102,7 @@ def write_qa_files(folder) -> dict:
 )
 def test_refused_before_model_load(overrides, option, tmp_path, data_dir, monkeypatch):
     from conftest import refuse_model_load
-    from experiments import runner
+    from experiments import cli_errors, runner
 
     refuse_model_load(monkeypatch)
 
@@ -111,7 +111,7 @@ def test_refused_before_model_load(overrides, option, tmp_path, data_dir, monkey
     files = write_qa_files(tmp_path)
     cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=full", "task=lm_eval",
                   *[o.format(short=short, **files) for o in overrides])
-    with pytest.raises(runner.UserError, match=option):
+    with pytest.raises(cli_errors.UserError, match=option):
         runner.run(cfg)
 
 
@@ -188,11 +188,11 @@ def test_niah_single_1_offline_through_a_method_writes_rows(tmp_path, data_dir):
 
 
 def test_rows_record_the_essay_haystack(tmp_path, data_dir):
-    from experiments import runner
+    from experiments import identity
 
     cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=full", "task=lm_eval",
                   "task.tasks=[niah_single_2,ruler_cwe]", "task.max_seq_lengths=[512]")
-    data = runner.data_identity(cfg)["ruler"]
+    data = identity.data_identity(cfg)["ruler"]
     assert data["essay_tasks"] == ["niah_single_2"] and data["essay_haystack"]["dataset"] == "wikitext2"
     assert data["essay_haystack"]["sha256"].startswith("173c87a5")  # WikiText-2 raw test (SOURCES.md)
 
@@ -200,7 +200,7 @@ def test_rows_record_the_essay_haystack(tmp_path, data_dir):
 def test_ruler_options_are_part_of_what_ruler_runs_compute_only():
     """A COPA run computes the same whatever the RULER options say: its config hash (and the report's matching of
     stored rows) leaves them out; a RULER run's keeps them."""
-    from experiments.runner import semantic_config
+    from infinigen.semantic import semantic_config
 
     def config(tasks, lengths):
         return {"model": {"name": "m"}, "method": {"_target_": "baselines.full.Full"}, "data_dir": "/d",
@@ -250,6 +250,7 @@ def test_qa_samples_hold_their_gold_document_and_answer(tiny, qa_files):
 def test_qa_offline_through_a_method_writes_rows(tmp_path, data_dir, qa_files):
     from analysis import store
     from experiments import runner
+    from infinigen import corpora
 
     cfg = run_cfg(tmp_path, data_dir, "model=tiny-llama", "method=h2o", "task=lm_eval",
                   "task.tasks=[ruler_qa_squad,ruler_qa_hotpot]", "task.limit=2", "task.max_seq_lengths=[1024]",
@@ -260,13 +261,13 @@ def test_qa_offline_through_a_method_writes_rows(tmp_path, data_dir, qa_files):
     assert rows["metrics.score"].between(0, 1).all() and rows["metrics.kv_fraction"].between(0, 0.9).all()
     recorded = rows["data.ruler"].tolist()[0]["qa"]
     assert set(recorded) == {"squad", "hotpotqa"}
-    assert recorded["squad"]["sha256"] == runner.corpora.file_sha256(qa_files["squad"])
+    assert recorded["squad"]["sha256"] == corpora.file_sha256(qa_files["squad"])
 
 
 def test_qa_files_are_part_of_what_qa_runs_compute_only():
     """The QA files enter the config hash of a run with a QA task only: the RULER rows without QA (and every
     other lm_eval row) keep their hashes whatever task.qa_data says."""
-    from experiments.runner import semantic_config
+    from infinigen.semantic import semantic_config
 
     def config(tasks, squad):
         return {"model": {"name": "m"}, "method": {"_target_": "baselines.full.Full"}, "data_dir": "/d",

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from analysis import store
 from conftest import DATA_DIR, ROOT, refuse_model_load
-from experiments import runner
+from experiments import cli_errors, runner, validation
 from infinigen import adapter, models
 
 pytestmark = pytest.mark.skipif(not (Path(DATA_DIR) / "wikitext-2").is_dir(),
@@ -92,7 +92,7 @@ BAD = [  # (overrides, message); {ckpt} / {gpt2} are checkpoint folders made by 
 def test_bad_input_is_refused_by_name_before_the_model_loads(overrides, message, tmp_path, no_model_load):
     folders = {"ckpt": checkpoint(tmp_path, positions=256), "gpt2": checkpoint(tmp_path, "gpt2")}
     overrides = [o.format(**folders) for o in overrides]
-    with pytest.raises(runner.UserError, match=message) as err:
+    with pytest.raises(cli_errors.UserError, match=message) as err:
         runner.run(cfg_of(overrides, tmp_path / "results"))
     assert not (tmp_path / "results").exists()  # nothing written, not even the store's folders
     # the option it names is one the user set (or the group holding it)
@@ -103,10 +103,10 @@ def test_bad_input_is_refused_by_name_before_the_model_loads(overrides, message,
 def test_cuda_build_is_read_without_importing_torch():
     import torch
 
-    assert runner.torch_cuda_build() is (torch.version.cuda is not None)
+    assert validation.torch_cuda_build() is (torch.version.cuda is not None)
 
 
-@pytest.mark.skipif(runner.torch_cuda_build() is not False, reason="torch here has CUDA")
+@pytest.mark.skipif(validation.torch_cuda_build() is not False, reason="torch here has CUDA")
 def test_cuda_on_a_cpu_only_torch_is_refused_before_the_model_loads(tmp_path, no_model_load):
     with pytest.raises(ValueError, match="device='cuda' is not available: torch here is a CPU-only build"):
         runner.run(cfg_of(["device=cuda"], tmp_path))
@@ -201,13 +201,13 @@ def test_hub_weights_are_looked_up_on_disk_before_the_hub_is_asked(tmp_path, mon
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     cfg = cfg_of(["model=opt-13b"], tmp_path / "results")
-    with pytest.raises(runner.UserError, match="HF_HUB_OFFLINE is set") as err:  # offline (conftest), not on disk
+    with pytest.raises(cli_errors.UserError, match="HF_HUB_OFFLINE is set") as err:  # offline (conftest), not on disk
         runner.run(cfg)
     assert err.value.option == "model.local_path" and "model.random_init=true" in err.value.message
     # online, but nothing answers the one connection made: the same refusal, with why
     monkeypatch.setattr("huggingface_hub.is_offline_mode", lambda: False)
     monkeypatch.setattr(models, "hub_unreachable", lambda endpoint: f"{endpoint} does not answer (a test)")
-    with pytest.raises(runner.UserError, match=r"the hub cannot be asked \(https://\S+ does not answer \(a test\)\)"):
+    with pytest.raises(cli_errors.UserError, match=r"the hub cannot be asked \(https://\S+ does not answer \(a test\)\)"):
         runner.run(cfg)
     # on disk: accepted, and read from there alone (nothing for transformers to retry)
     hub_cache_with(tmp_path / "hub", "facebook/opt-13b")
@@ -220,8 +220,8 @@ def test_hub_weights_are_looked_up_on_disk_before_the_hub_is_asked(tmp_path, mon
 def test_a_run_that_loads_no_weights_needs_none(tmp_path, no_model_load):
     """random_init builds the architecture, and a modelled latency run reads only the config: neither is refused
     for weights that are not on disk (offline here)."""
-    runner.check_weights(cfg_of(["model=opt-13b", "model.random_init=true"], tmp_path))
-    runner.check_weights(cfg_of(["model=opt-13b", "task=latency", "task.timing=modelled", "hardware=a6000_pcie3"],
+    validation.check_weights(cfg_of(["model=opt-13b", "model.random_init=true"], tmp_path))
+    validation.check_weights(cfg_of(["model=opt-13b", "task=latency", "task.timing=modelled", "hardware=a6000_pcie3"],
                                 tmp_path))
 
 
@@ -270,7 +270,7 @@ def test_nan_logits_exit_non_zero_naming_window_and_layer(tmp_path):
 
 def test_an_unwritable_results_dir_is_refused_before_the_model_loads(tmp_path, no_model_load):
     (tmp_path / "rows").write_text("a file where the rows folder should be")
-    with pytest.raises(runner.UserError, match="is not writable") as err:
+    with pytest.raises(cli_errors.UserError, match="is not writable") as err:
         runner.run(cfg_of([], tmp_path))
     assert err.value.option == "results_dir"
 
