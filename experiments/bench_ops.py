@@ -8,7 +8,7 @@
 On a GPU every dispatched aten op is a kernel launch (~5-10 us of host time) and every host synchronisation
 makes the host wait for the device: the launch queue drains and the next kernels start late. Both are properties
 of the code path, not of the hardware, so they are counted here on a CPU, with a TorchDispatchMode on the main
-thread (`SyncCounter`):
+thread (`SyncCounter`, infinigen/offload/op_counter.py: the census's sync rule, `sync_name`):
 
   ops     aten ops dispatched (views included, as infinigen/offload/census.py counts them; `nonview_ops` in the
           rows leaves views out). Under inference_mode a composite op (item, einsum, repeat_interleave, sdpa)
@@ -64,12 +64,9 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,15 +78,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from analysis import store  # noqa: E402
 from experiments import identity  # noqa: E402
 from experiments.bench_sim import build_method, chosen_methods  # noqa: E402
 from infinigen import adapter, modes  # noqa: E402
-from infinigen.offload import census  # noqa: E402
-from infinigen.offload import link as link_module  # noqa: E402
 from infinigen.offload import timing  # noqa: E402
+from infinigen.offload.op_counter import SyncCounter  # noqa: E402
 from infinigen.offload.runtime import OffloadRuntime  # noqa: E402
 
 METHOD_DIR = ROOT / "conf" / "method"
@@ -113,182 +108,6 @@ SEQUENTIAL = ("h2o", "tova")
 # the paper's rows: (method, runtime) whose steady decode step must not synchronise the host (tests/test_bench_ops)
 PAPER_ROWS = (("full", "ideal"), ("full", "auto"), ("offload", "auto"), ("quant", "auto"), ("h2o", "auto"),
               ("infinigen", "auto"))
-
-# ----------------------------------------------------------------------------------------------- the counter
-
-COPIES = frozenset({"_to_copy", "copy_", "copy", "_copy_from"})
-
-
-HERE = Path(__file__).resolve()
-
-
-def call_site() -> str:
-    """file:line of the innermost frame in this repository's code (not this file): where a sync was asked for."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = Path(frame.f_code.co_filename)
-        if path.is_absolute() and path != HERE and path.is_relative_to(ROOT) and ".venv" not in path.parts:
-            return f"{path.relative_to(ROOT).as_posix()}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-def _on_device(t: torch.Tensor) -> bool:
-    return t.device.type not in ("cpu", "meta")
-
-
-def _blocking_d2h(packet: str, args, kwargs) -> bool:
-    """A device->host copy the host waits for: not non_blocking, or into memory that is not pinned."""
-    if packet == "_to_copy":
-        src, device = args[0], kwargs.get("device")
-        return (_on_device(src) and device is not None and torch.device(device).type == "cpu"
-                and not kwargs.get("non_blocking", False))
-    if packet in ("copy_", "copy", "_copy_from"):
-        dst, src = (args[0], args[1]) if packet != "_copy_from" else (args[1], args[0])
-        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-        return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and _on_device(src)
-                and dst.device.type == "cpu" and not (non_blocking and dst.is_pinned()))
-    return False
-
-
-def sync_name(func, args, kwargs, device_only: bool) -> str | None:
-    """The name a host synchronisation is counted under, or None when the op does not synchronise.
-    device_only: count an op only when it touches a device tensor (a CUDA run; on a CPU run the CPU stands in
-    for the device and every tensor is a device tensor)."""
-    packet = func.overloadpacket.__name__
-    if packet in COPIES:
-        return "d2h copy" if _blocking_d2h(packet, args, kwargs) else None
-    name = census.sync_name(func, args, kwargs)
-    if name is None:
-        return None
-    if device_only and not any(_on_device(t) for t in census.tensors_in((args, kwargs))):
-        return None
-    return name
-
-
-@dataclass
-class Snapshot:
-    ops: int = 0
-    nonview: int = 0
-    syncs: Counter = field(default_factory=Counter)
-    waits: Counter = field(default_factory=Counter)
-    sites: Counter = field(default_factory=Counter)
-
-    def __sub__(self, other: "Snapshot") -> "Snapshot":
-        return Snapshot(self.ops - other.ops, self.nonview - other.nonview, self.syncs - other.syncs,
-                        self.waits - other.waits, self.sites - other.sites)
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts, on the thread that enters it, aten ops, host synchronisations (`sync_name`, by name) and waits on
-    the runtime's link (Future.result, event/stream/device synchronisation, by name). Dispatch modes are
-    thread-local: work on other threads is not counted; the Python-level hooks check the thread themselves.
-
-    device: the run's device. "cpu": every tensor stands in for a device tensor, and `.cpu()`, `.to("cpu")`,
-    `.tolist()` and `.numpy()` (which dispatch no copy on a CPU tensor) count as device->host copies."""
-
-    def __init__(self, device: str | torch.device = "cpu"):
-        super().__init__()
-        self.device = torch.device(device)
-        self.ops = self.nonview = 0
-        self.syncs: Counter = Counter()
-        self.sites: Counter = Counter()  # "name @ file:line" of the repository's code that synchronised
-        self.waits: Counter = Counter()
-        self.thread = None
-        self._patches = None
-        self._outer: str | None = None
-        self._depth = 0
-
-    @property
-    def sync_total(self) -> int:
-        return sum(self.syncs.values())
-
-    def snapshot(self) -> Snapshot:
-        return Snapshot(self.ops, self.nonview, Counter(self.syncs), Counter(self.waits), Counter(self.sites))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-            # under inference_mode a composite op (item, einsum, repeat_interleave, sdpa) reaches the mode whole:
-            # count what it runs, as outside inference_mode, and name a sync inside it after the outermost one
-            outer, self._outer = self._outer, self._outer or str(func).removeprefix("aten.").removesuffix(".default")
-            try:
-                with self:
-                    out = func.decompose(*args, **kwargs)
-            finally:
-                self._outer = outer
-            if out is not NotImplemented:
-                return out
-        self.ops += 1
-        self.nonview += not func.is_view
-        name = sync_name(func, args, kwargs, device_only=self.device.type != "cpu")
-        if name is not None:  # a sync inside a composite op goes by the composite's name (item, is_nonzero)
-            self._sync(name if name == "d2h copy" or self._outer is None else self._outer)
-        return func(*args, **kwargs)
-
-    def _sync(self, name: str) -> None:
-        self.syncs[name] += 1
-        self.sites[f"{name} @ {call_site()}"] += 1
-
-    # ------------------------------------------------------------------ Python-level hooks
-    def _mine(self) -> bool:
-        return threading.get_ident() == self.thread
-
-    def _wrap(self, owner, attr: str, counts: Counter, name: str, when=None):
-        original = getattr(owner, attr)
-        counter = self
-
-        def wrapper(*args, **kwargs):
-            if counter._mine() and (when is None or when(*args, **kwargs)):
-                if counts is counter.syncs:
-                    counter._sync(name)
-                else:
-                    counts[name] += 1
-            return original(*args, **kwargs)
-
-        wrapper.__wrapped__ = original
-        own = attr in vars(owner)  # torch.Tensor inherits cpu/tolist/...: restore by removing the wrapper
-        setattr(owner, attr, wrapper)
-        return lambda: setattr(owner, attr, original) if own else delattr(owner, attr)
-
-    def __enter__(self):
-        self._depth += 1
-        if self._patches is not None:  # re-entered to count a composite op's decomposition
-            return super().__enter__()
-        self.thread = threading.get_ident()
-        undo = [self._wrap(Future, "result", self.waits, "Future.result")]
-        if hasattr(link_module, "NoEvent"):  # the CPU stand-in of a CUDA event
-            undo.append(self._wrap(link_module.NoEvent, "synchronize", self.waits, "Event.synchronize"))
-        if torch.cuda.is_available():
-            undo += [self._wrap(torch.cuda.Event, "synchronize", self.waits, "Event.synchronize"),
-                     self._wrap(torch.cuda.Stream, "synchronize", self.waits, "Stream.synchronize"),
-                     self._wrap(torch.cuda, "synchronize", self.waits, "cuda.synchronize")]
-        if self.device.type == "cpu":  # no op of their own on a CPU tensor: the copy they are on a device
-            undo += [self._wrap(torch.Tensor, "cpu", self.syncs, "Tensor.cpu"),
-                     self._wrap(torch.Tensor, "tolist", self.syncs, "Tensor.tolist"),
-                     self._wrap(torch.Tensor, "numpy", self.syncs, "Tensor.numpy"),
-                     self._wrap(torch.Tensor, "to", self.syncs, "Tensor.to(cpu)", when=_to_host)]
-        self._patches = undo
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._depth -= 1
-        try:
-            return super().__exit__(*exc)
-        finally:
-            if not self._depth:
-                for restore in reversed(self._patches or []):
-                    restore()
-                self._patches = None
-
-
-def _to_host(self, *args, **kwargs) -> bool:
-    """Tensor.to("cpu", ...) without non_blocking. Only a string target counts: on a CPU run `.to(x.device)` or
-    `.to(device=x.device)` names the device itself (the model's rotary embedding does it every layer)."""
-    if kwargs.get("non_blocking") or any(isinstance(a, bool) and a for a in args[1:3]):
-        return False
-    target = kwargs.get("device", args[0] if args else None)
-    return isinstance(target, str) and target.split(":")[0] == "cpu"
 
 
 # ----------------------------------------------------------------------------------------------- decode

@@ -142,7 +142,8 @@ def launch_us(repeats: int) -> float:
 
     from baselines.full import Full
     from infinigen import adapter
-    from infinigen.offload.census import OpCounter, stand_in_arch
+    from infinigen.offload.census import stand_in_arch
+    from infinigen.offload.op_counter import OpCounter
     from infinigen.offload.runtime import OffloadRuntime
 
     model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")
@@ -273,7 +274,7 @@ def _per_step(model, method, ids, measure: str | tuple, threaded: bool | None = 
     this device, on the launching thread (the link's worker threads are not counted; threaded=False runs their
     jobs inline): counts between the runtime's Timer.begin and Timer.end, the median over steps 1..3."""
     from infinigen.offload import timing
-    from infinigen.offload.census import OpCounter
+    from infinigen.offload.op_counter import OpCounter
     from infinigen.offload.runtime import OffloadRuntime
 
     counter = OpCounter(measure)

@@ -90,10 +90,10 @@ RUNS = {
     },
 }
 # the performance model's own code (it reads a census; it never runs on the device), apart from the runtime's:
-# perf.py and the modules it models with, the census, the paper's schedule
+# perf.py and the modules it models with, the census and its counter, the paper's schedule
 PERF_FILES = ("infinigen/offload/perf.py", "infinigen/offload/profile.py", "infinigen/offload/plan.py",
               "infinigen/offload/roofline.py", "infinigen/offload/clock.py")
-MODEL_FILES = PERF_FILES + ("infinigen/offload/census.py", "infinigen/offload/paper.py")
+MODEL_FILES = PERF_FILES + ("infinigen/offload/census.py", "infinigen/offload/op_counter.py", "infinigen/offload/paper.py")
 # where the code a GPU run executes lives: the runtime, the methods, the latency task
 RUNTIME_PATHS = ("infinigen", "baselines", "experiments/latency.py")
 
@@ -294,7 +294,7 @@ def census_from(checkout: Path, rows: list[str], write: str, table_name: str) ->
     try:
         for folder in ("infinigen", "baselines", "conf"):
             shutil.copytree(checkout / folder, overlay / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        for f in ("infinigen/offload/census.py", *PERF_FILES):
+        for f in ("infinigen/offload/census.py", "infinigen/offload/op_counter.py", *PERF_FILES):
             shutil.copy(ROOT / f, overlay / f)
         (overlay / "experiments").mkdir()
         (overlay / "experiments" / "__init__.py").write_text("")

@@ -1,4 +1,5 @@
-"""The op and host-sync census (experiments/bench_ops.py): its counter, a smoke run of every method, and THE GATE.
+"""The op and host-sync census (experiments/bench_ops.py): its counter (infinigen/offload/op_counter.py
+SyncCounter), a smoke run of every method, and THE GATE.
 
 THE GATE (`test_gate_*`): the offloading runtime's steady decode step, on the thread that launches kernels, has
 no host synchronisation for the paper's rows (full under runtime ideal and auto, offload, quant, H2O, InfiniGen)
@@ -15,6 +16,7 @@ import torch
 
 from conftest import METHODS
 from experiments import bench_ops as B
+from infinigen.offload.op_counter import SyncCounter
 
 STEPS, SKIP = 12, 2  # decode steps per gate point; steady: steps 2..10 (H2O evicts at some steps only)
 # ragged selections (batch > 1); the prompt is short (the syncs are a property of the code path; a 512-token
@@ -23,8 +25,8 @@ GATE_BATCH, GATE_PROMPT = 8, 128
 SIZES = [(b, p) for b in (1, 8) for p in (512, 2048)]  # the issue's InfiniGen points
 
 
-def counted(fn, inference: bool = True) -> B.SyncCounter:
-    counter = B.SyncCounter("cpu")
+def counted(fn, inference: bool = True) -> SyncCounter:
+    counter = SyncCounter("cpu")
     with torch.inference_mode(inference), counter:
         fn()
     return counter
@@ -97,7 +99,7 @@ def test_counter_counts_only_its_own_thread_and_main_thread_waits():
     """Dispatch modes are thread-local: a worker's ops and syncs are host-side work, not counted; the main
     thread waiting for the worker's Future is a link wait."""
     with ThreadPoolExecutor(1) as pool:
-        counter = B.SyncCounter("cpu")
+        counter = SyncCounter("cpu")
         with counter:
             fut = pool.submit(lambda: (int(x.sum()), x.nonzero(), x.cpu(), wait_in_a_worker()))
             fut.result()
@@ -123,7 +125,7 @@ def test_counter_on_cuda_counts_device_syncs_only():
              "non_blocking copy into pinned memory": (lambda: pinned.copy_(dev, non_blocking=True), 0),
              "blocking copy to the host": (lambda: pinned.copy_(dev), 1), "nonzero on the device": (dev.nonzero, 1)}
     for name, (fn, syncs) in cases.items():
-        counter = B.SyncCounter("cuda")
+        counter = SyncCounter("cuda")
         with torch.inference_mode(), counter:
             fn()
         assert counter.sync_total == syncs, (name, dict(counter.syncs))

@@ -295,7 +295,7 @@ def test_syncs_are_counted_where_a_gpu_host_waits():
     (bytes on the host), and a non-blocking copy to the host is no sync."""
     import torch
 
-    from infinigen.offload.census import OpCounter
+    from infinigen.offload.op_counter import OpCounter
 
     dev = torch.device("cpu")  # a tensor made on "the device" (a CPU run stands it in for one)
     counter = OpCounter(("syncs", "host", "ops"))

@@ -39,6 +39,8 @@ slots, as on a GPU; host work inline, so its ops are kept apart from the launchi
 in the model's own dtype (a float16 model's KV bytes are float16 bytes, its casts the ops they are), and tell host
 tensors from device ones by where they come from (`HostTensors`): host pools and staging, `.cpu()` results, tensors
 made without a device, and what ops on them return. The timed measures run the CPU path as the latency task does.
+The counter (`OpCounter`), the sync rule (`SYNC_OPS`) and `HostTensors` live in infinigen/offload/op_counter.py,
+shared with experiments/bench_ops.py.
 
 The performance model (infinigen/offload/perf.py) prices ops at the profile's dispatch cost and bytes at its
 bandwidths; the weights' bytes and the FLOPs come from the real shapes. Results are cached per method config and
@@ -55,21 +57,15 @@ import json
 import os
 import platform
 import statistics
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils.weak import WeakIdKeyDictionary
 
 from infinigen import adapter
-from infinigen.offload import link as link_module
+from infinigen.offload.op_counter import OpCounter, part
 from infinigen.offload.runtime import OffloadRuntime
-from infinigen.offload.timing import Timer
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
 # steps per stand-in run; the first and the last are dropped and the median of the rest taken, as the latency
@@ -86,296 +82,9 @@ TIMED_REPEATS = 7  # runs of the stand-in per timed census (the median of their 
 CACHE = Path(".cache/infinigen/census")
 
 
-INDEXED = {"gather", "index_select", "index", "index_put", "index_put_", "scatter", "scatter_", "scatter_add",
-           "scatter_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "masked_select", "take"}
-# Ops that make the host wait for the device (experiments/bench_ops.py's SyncCounter counts by the same rule,
-# `sync_name`): a scalar read (item, int(), bool()), ops whose output shape depends on the data, a bool-mask index;
-# by overload packet
-SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "argwhere",
-                      "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
-                      "unique_dim_consecutive", "bincount"})
-MASK_INDEXED = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
-SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
-# the host gather itself: its bytes are the selected rows', which the model takes from the run's selection
-HOST_GATHER = frozenset({"index_select"})
-# torch functions that make a tensor from nothing: on the host unless given a device (or "cpu", or pinned)
-FACTORIES = frozenset({"arange", "empty", "zeros", "ones", "full", "tensor", "as_tensor", "randint", "rand", "randn",
-                       "linspace", "scalar_tensor", "empty_strided"})
 COUNTS = ("ops", "syncs", "joins", "writebacks")  # per step, counted in one run
 BYTES = ("stream", "indexed", "host", "readback")  # per (row, token), counted in the same four runs
 MEASURES = COUNTS + BYTES
-
-
-def sync_name(func, args, kwargs) -> str | None:
-    """The name an op that makes the host wait for the device (on device tensors) is counted under, or None: the
-    one rule this census and experiments/bench_ops.py count by."""
-    packet = func.overloadpacket.__name__
-    overload = str(func).removeprefix("aten.").removesuffix(".default")
-    if packet in MASK_INDEXED:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        masked = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
-        return f"{overload} (bool mask)" if masked else None
-    if packet == "repeat_interleave":  # tensor repeats: the output's length is their sum
-        sums = func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
-        return overload if sums else None
-    if packet == "one_hot":
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return overload if classes is None or classes < 0 else None
-    return overload if packet in SYNC_OPS or any(tag in func.tags for tag in SYNC_TAGS) else None
-
-
-def syncs(func, args, kwargs) -> bool:
-    """Whether this op, on a device tensor, makes the host wait for the device."""
-    return sync_name(func, args, kwargs) is not None
-
-
-def tensors_in(value) -> list[torch.Tensor]:
-    """Every tensor in a nest of args (lists, tuples, dicts)."""
-    return [x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class HostTensors:
-    """Which tensors would be host memory on a GPU, on a CPU run where all are: host pools and staging buffers
-    (made without a device, or pinned), `.cpu()` results, and what ops whose first tensor is one return."""
-
-    def __init__(self):
-        self._host = WeakIdKeyDictionary()
-
-    def __contains__(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t in self._host
-
-    def tag(self, value) -> None:
-        for t in tensors_in(value):
-            self._host[t] = True
-
-    def untag(self, value) -> None:
-        for t in tensors_in(value):
-            self._host.pop(t, None)
-
-
-def _device_arg(args, kwargs):
-    for a in (kwargs.get("device"), *args):
-        if isinstance(a, (str, torch.device)):
-            return a
-    return None
-
-
-class _Placement(TorchFunctionMode):
-    """Python-level calls that move data between host and device (no op of their own on a CPU tensor) and tensor
-    factories: tags host tensors, and counts a blocking device->host read as the sync it is on a GPU."""
-
-    def __init__(self, counter: "OpCounter"):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        c, host = self.counter, self.counter.host
-        if name in ("cpu", "tolist", "numpy") or (name == "to" and _to_host(args[1:], kwargs)):
-            src = args[0]
-            if isinstance(src, torch.Tensor) and src not in host:
-                if not kwargs.get("non_blocking"):
-                    c.synced()
-                c.read_back(src)
-                if name in ("cpu", "to"):  # a copy, as on a GPU (on a CPU tensor `.cpu()` returns itself)
-                    with _disable_current_modes():
-                        out = func(*args, **kwargs).clone()
-                    host.tag(out)
-                    return out
-            return func(*args, **kwargs)
-        if name == "to" and isinstance(args[0], torch.Tensor) and args[0] in host and _device_arg(args[1:], kwargs):
-            with _disable_current_modes():  # host -> device: a device tensor (a blocking copy unless asked not to)
-                out = func(*args, **kwargs).clone()
-            if not kwargs.get("non_blocking"):
-                c.synced()
-            return out
-        out = func(*args, **kwargs)
-        if name in FACTORIES or name.endswith("_like"):
-            device = kwargs.get("device")
-            if kwargs.get("pin_memory") or (isinstance(device, str) and device.startswith("cpu")) or (
-                    device is None and not name.endswith("_like")):
-                host.tag(out)
-            elif device is not None:
-                host.untag(out)
-        return out
-
-
-def _to_host(args, kwargs) -> bool:
-    """Tensor.to("cpu", ...): only a string target counts (on a CPU run `.to(x.device)` names the device)."""
-    target = kwargs.get("device", args[0] if args else None)
-    return isinstance(target, str) and target.split(":")[0] == "cpu"
-
-
-class Tally:
-    """Several counts read as one clock value (the runtime's marks and a fetch's host_s are differences of its
-    clock): arithmetic per count, a plain number applying to each, order by the first."""
-
-    __slots__ = ("v",)
-
-    def __init__(self, v):
-        self.v = tuple(v)
-
-    def _other(self, o):
-        return o.v if isinstance(o, Tally) else (o,) * len(self.v)
-
-    def __add__(self, o):
-        return Tally(a + b for a, b in zip(self.v, self._other(o)))
-
-    __radd__ = __add__
-
-    def __sub__(self, o):
-        return Tally(a - b for a, b in zip(self.v, self._other(o)))
-
-    def __rsub__(self, o):
-        return Tally(b - a for a, b in zip(self.v, self._other(o)))
-
-    def __mul__(self, k):
-        return Tally(a * k for a in self.v)
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, k):
-        return Tally(a / k for a in self.v) if not isinstance(k, Tally) else float(self) / float(k) if k.v[0] else 0.0
-
-    def __rtruediv__(self, o):  # what the runtime derives from host_s (a gather rate): a plain number
-        return float(o) / self.v[0] if self.v[0] else 0.0
-
-    def __neg__(self):
-        return Tally(-a for a in self.v)
-
-    def __abs__(self):
-        return Tally(abs(a) for a in self.v)
-
-    def __round__(self, n=None):
-        return round(self.v[0], n)
-
-    def __format__(self, spec):
-        return format(self.v[0], spec)
-
-    def __lt__(self, o):
-        return self.v[0] < (o.v[0] if isinstance(o, Tally) else o)
-
-    def __gt__(self, o):
-        return self.v[0] > (o.v[0] if isinstance(o, Tally) else o)
-
-    def __le__(self, o):
-        return not self > o
-
-    def __ge__(self, o):
-        return not self < o
-
-    def __float__(self):
-        return float(self.v[0])
-
-    def part(self, k: int) -> float:
-        return self.v[k]
-
-
-def part(value, k: int) -> float:
-    """The k-th count of a Tally (a plain number: no op moved the clock there, every count 0)."""
-    return value.part(k) if isinstance(value, Tally) else float(value)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts, for each of `measures`, the aten ops dispatched while active (ops), the bytes the non-view ones read
-    and write (stream / indexed: device tensors only; host: host tensors only), host synchronisations (syncs),
-    blocking joins of the link's jobs (joins), write-back jobs queued to its fetch worker (writebacks) or bytes
-    read back from the device by a blocking copy (readback). `value`: the first measure's count; `tally()`: all."""
-
-    def __init__(self, measure: str | tuple = "ops"):
-        super().__init__()
-        self.measures = (measure,) if isinstance(measure, str) else tuple(measure)
-        self.counts = [0.0] * len(self.measures)
-        self._at = {m: i for i, m in enumerate(self.measures)}
-        self.host = HostTensors()
-        self._placement = _Placement(self)
-        self._thread = None
-        self._undo = []
-
-    @property
-    def value(self) -> float:
-        return self.counts[0]
-
-    def tally(self) -> Tally:
-        return Tally(self.counts)
-
-    def add(self, measure: str, n: float) -> None:
-        i = self._at.get(measure)
-        if i is not None:
-            self.counts[i] += n
-
-    def synced(self) -> None:
-        self.add("syncs", 1)
-
-    def read_back(self, t: torch.Tensor) -> None:
-        self.add("readback", t.numel() * t.element_size())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tensors = tensors_in((args, kwargs))
-        on_host = bool(tensors) and tensors[0] in self.host
-        if on_host and not _mutates(func):
-            self.host.tag(out)
-        at = self._at
-        if "ops" in at:
-            self.counts[at["ops"]] += 1
-        if "syncs" in at and not on_host and syncs(func, args, kwargs):
-            self.counts[at["syncs"]] += 1
-        if func.is_view or not (at.keys() & {"host", "stream", "indexed"}):
-            return out
-        packet = func.overloadpacket.__name__
-        if on_host:
-            if "host" in at and packet not in HOST_GATHER:
-                self.counts[at["host"]] += _nbytes(tensors + tensors_in(out))
-        else:
-            m = "indexed" if packet in INDEXED else "stream"
-            if m in at:
-                self.counts[at[m]] += _nbytes(tensors + tensors_in(out))
-        return out
-
-    # ------------------------------------------------------------------ Python-level calls
-    def _wrap(self, owner, attr: str, count) -> None:
-        original = getattr(owner, attr)
-        counter = self
-
-        def wrapper(*args, **kwargs):
-            if threading.get_ident() == counter._thread:
-                count()
-            return original(*args, **kwargs)
-
-        setattr(owner, attr, wrapper)
-        self._undo.append(lambda: setattr(owner, attr, original))
-
-    def __enter__(self):
-        self._thread = threading.get_ident()
-        if "joins" in self._at:
-            self._wrap(Future, "result", lambda: self.add("joins", 1))
-        if "writebacks" in self._at:  # a job to the fetch worker that no fetch's `issue` mark follows
-            self._wrap(link_module.Link, "submit", lambda: self.add("writebacks", 1))
-            self._wrap(Timer, "issue", lambda: self.add("writebacks", -1))
-        self._placement.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._placement.__exit__(*exc)
-            for undo in reversed(self._undo):
-                undo()
-            self._undo.clear()
-
-
-def _mutates(func) -> bool:
-    """An in-place or out= op: its output is an argument, whose placement it keeps."""
-    schema = func._schema
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def stand_in_arch(arch: dict, layers: int, head_dim: int = 16, positions: int = 256, narrow: bool = False) -> dict:
