@@ -93,7 +93,8 @@ RUNS = {
 # perf.py and the modules it models with, the census and its counter, the paper's schedule
 PERF_FILES = ("infinigen/offload/perf.py", "infinigen/offload/profile.py", "infinigen/offload/plan.py",
               "infinigen/offload/roofline.py", "infinigen/offload/clock.py")
-MODEL_FILES = PERF_FILES + ("infinigen/offload/census.py", "infinigen/offload/op_counter.py", "infinigen/offload/paper.py")
+MODEL_FILES = PERF_FILES + ("infinigen/offload/census.py", "infinigen/offload/op_counter.py",
+                            "infinigen/offload/paper.py")
 # where the code a GPU run executes lives: the runtime, the methods, the latency task
 RUNTIME_PATHS = ("infinigen", "baselines", "experiments/latency.py")
 

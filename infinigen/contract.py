@@ -48,7 +48,7 @@ class KVMethod(RuntimeNeeds, MethodDriver):
 
     def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
         """Refuse hyperparameters a model of this attention shape cannot take (ValueError naming the option); run
-        before the model loads where its config declares the shape (experiments/runner.py validate)."""
+        before the model loads where its config declares the shape (experiments/validation.py validate)."""
 
     def check_data(self) -> None:
         """Refuse missing or unreadable files `bind` will read (a calibration text): run before a model loads, by

@@ -8,7 +8,7 @@ never imports the layer writing them. Only the standard library: it runs while a
 from __future__ import annotations
 
 # config keys that do not change what is computed: locations and bookkeeping (data folders enter a run's identity
-# as the content of the data read from them, experiments/runner.py data_identity)
+# as the content of the data read from them, experiments/identity.py data_identity)
 NON_SEMANTIC = ("force", "logger", "results_dir", "data_dir", "hydra", "progress", "debug")
 # method options that do not change what is computed: a location, and how H2O's / TOVA's sim-mode row loop is
 # dispatched on a CUDA device (`capture`: eagerly or as a captured graph, the same results)
