@@ -240,3 +240,21 @@ def test_no_method_imports_a_helper_of_another(path):
                 node.module == module_name(p) for p in METHOD_FILES):
             helpers = [a.name for a in node.names if not a.name[:1].isupper() or a.name.isupper()]
             assert helpers == [], f"{mine} imports {helpers} from {node.module}: move them to infinigen/shared/"
+
+
+# a module is one idea a newcomer can name (issue 57); these are longer and still one idea each
+MODULE_MAX_LINES = 420
+ONE_CONCEPT = {
+    # counting what code dispatches, by one sync rule: the census's counter and bench_ops' share their tables
+    "infinigen/offload/op_counter.py",
+    # one command each, from its CLI to its rows: measuring a hardware profile; modelling the GPU rows again
+    "experiments/calibrate.py", "experiments/validate_gpu.py",
+}
+
+
+def test_no_module_is_over_the_line_limit_unless_it_is_one_concept():
+    files = [p for pkg in ("infinigen", "baselines", "experiments") for p in sorted((ROOT / pkg).rglob("*.py"))]
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
+    long = {path: n for path, n in lines.items() if n > MODULE_MAX_LINES and path not in ONE_CONCEPT}
+    assert long == {}, f"split these by concept (<= {MODULE_MAX_LINES} lines each), or say why one is one concept"
+    assert all(lines[path] > MODULE_MAX_LINES for path in ONE_CONCEPT), "no longer long: drop it from ONE_CONCEPT"
