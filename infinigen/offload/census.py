@@ -64,7 +64,7 @@ import torch
 from omegaconf import OmegaConf
 
 from infinigen import adapter
-from infinigen.offload.op_counter import OpCounter, part
+from infinigen.offload.op_counter import ROOT, OpCounter, part
 from infinigen.offload.runtime import OffloadRuntime
 
 SEGMENTS = ("attention", "speculation", "ffn", "norms", "host")
@@ -176,14 +176,12 @@ def _source(files: tuple[str, ...]) -> str:
 # the performance model (infinigen/offload/): it reads a census and never runs in one, so it is not what a census
 # measures (a model-only change is checked against the censuses a validation run timed)
 MODEL_MODULES = tuple(f"infinigen.offload.{name}" for name in ("perf", "profile", "plan", "roofline", "clock"))
-PROJECT = Path(adapter.__file__).resolve().parents[1] if Path(adapter.__file__).name != "__init__.py" \
-    else Path(adapter.__file__).resolve().parents[2]
 
 
 def _module_file(name: str) -> Path | None:
     """The file of project module `name` (a package's __init__.py), None for a name that is not a module (a class
     or function imported from one)."""
-    base = PROJECT.joinpath(*name.split("."))
+    base = ROOT.joinpath(*name.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
