@@ -251,7 +251,9 @@ class ShadowKV(GatheringMethod):
             mask = torch.cat([valid, state["exact_positions"] >= start, generated >= start], -1)
             exact = mask[..., valid.shape[-1]:].sum(-1)
         out, _ = attend(q, keys, vals, mask[:, :, None], layer.logit_scale)
-        self.stats.add(layer.index, "kv_fraction", (keep.sum(-1) + exact).double() / (full_past(layer, position) + 1))
+        attended = (keep.sum(-1) + exact).double()
+        self.stats.add(layer.index, "kv_fraction", attended / (full_past(layer, position) + 1))
+        self.record_kept(layer, attended, full_past(layer, position) + 1)
         state["k"], state["v"] = torch.cat([state["k"], key], 2), torch.cat([state["v"], value], 2)
         return out
 

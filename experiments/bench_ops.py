@@ -44,7 +44,7 @@ Two parts:
           tokens as their prompt) at each --sim-tokens on tiny-llama-gqa and smollm2-135m's shape with random
           weights (model.random_init=true). The method's bind (InfiniGen's calibration) runs once before and is
           not counted. A sim forward syncs the host once, in transformers (SIM_MASK_SYNC); closed-form methods
-          dispatch as many ops at every length from 1024 to 8192 tokens (rows.chunk_rows); H2O and TOVA (SEQUENTIAL)
+          dispatch as many ops at every length from 1024 to 8192 tokens (rows.chunk_rows); H2O (both readings) and TOVA (SEQUENTIAL)
           replay their decoded rows in order, a few ops per row and layer, and a point whose projected time exceeds
           --sim-budget seconds is skipped (said so in the table and in its row)
 
@@ -104,7 +104,7 @@ SIM_MASK_SYNC = {"is_nonzero": 1}
 SIM_MASK_SITE = "infinigen/adapter/layers.py"
 # methods whose exact semantics evict in order, one decoded row at a time (infinigen/shared/eviction.py replays their
 # rows): their ops grow with t by a few per decoded row and layer; every other method's sim forward is closed-form
-SEQUENTIAL = ("h2o", "tova")
+SEQUENTIAL = ("h2o", "tova", "h2o_reference")
 # the paper's rows: (method, runtime) whose steady decode step must not synchronise the host (tests/test_bench_ops)
 PAPER_ROWS = (("full", "ideal"), ("full", "auto"), ("offload", "auto"), ("quant", "auto"), ("h2o", "auto"),
               ("infinigen", "auto"))

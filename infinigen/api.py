@@ -187,7 +187,7 @@ class Generation:
     # its new tokens, right-padded with pad_token_id after a row stops (eos) or where other rows generated more
     sequences: torch.Tensor
     # the method's statistics over every decoded step (KVStats.summary: kv_fraction, recall where tracked,
-    # selected, retain_ratio, per_layer)
+    # selected, density and retain (the kept fraction on the InfiniGen artifact's axes), per_layer)
     stats: dict
     prompt_lengths: list[int]  # each input row's unpadded length
     new_tokens: list[int]  # each output row's generated tokens (its eos included), before right padding

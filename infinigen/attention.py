@@ -14,11 +14,13 @@ from infinigen.adapter import Session
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float,
-    need_probs: bool = False,
+    need_probs: bool = False, shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked softmax attention without materialising repeated KV heads.
 
-    q (b, h, t, d); k, v (b, h_kv, s, d); keep (b|1, h_kv|1, t, s) bool or None (= every entry).
+    q (b, h, t, d); k, v (b, h_kv, s, d); keep (b|1, h_kv|1, t, s) bool or None (= every entry); shift
+    (b|1, h_kv|1, t) added to every logit of a row before the softmax (a constant per row changes the result only by
+    how the sum rounds: the InfiniGen artifact's -10000 on a row that selected nothing, `SelectiveAttention`).
     Returns out (b, h, t, d) and, if need_probs, probs (b, h_kv, g, t, s) in float32.
     """
     b, h, t, d = q.shape
@@ -29,6 +31,8 @@ def attend(
     # a copy of the whole cache per layer and step (at batch 8 x 2048 tokens that copy was most of a decode
     # step). Here each KV head's g query heads are folded into its rows and the KV is read in place.
     scores = grouped_matmul(q.reshape(b, hk, g, t, d), k) * scale  # (b, hk, g, t, s)
+    if shift is not None:
+        scores = scores + shift[:, :, None, :, None].to(scores.dtype)
     if keep is not None:
         scores = scores.masked_fill(~keep.unsqueeze(2), torch.finfo(scores.dtype).min)  # broadcast over g
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (b, hk, g, t, s)

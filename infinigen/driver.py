@@ -99,6 +99,22 @@ class MethodDriver:
             self.record_sim(session, layer, keep, allowed_c, rows, start=offset + r0)
         return torch.cat(outs, dim=2)  # (b, h, t, d)
 
+    def dense_layer(self, layer: AttentionLayer) -> bool:
+        """Whether the method leaves `layer` dense (InfiniGen's first layers, H2O's `dense_layers`): its rows are not
+        counted in `density` (infinigen/stats.py), as the InfiniGen artifact counts only the layers it selects on."""
+        return False
+
+    def record_kept(self, layer: AttentionLayer, kept: torch.Tensor, causal, offset: float = 0.0) -> None:
+        """Per row the entries kept (kept + offset) and those the model's attention sees (`causal`: a tensor of
+        kept's shape, or one host number for every row), on the layers the method does not leave dense."""
+        if self.dense_layer(layer):
+            return
+        self.stats.add(layer.index, "kept", kept, offset=offset)
+        if isinstance(causal, torch.Tensor):
+            self.stats.add(layer.index, "causal", causal)
+        else:
+            self.stats.add_total(layer.index, "causal", float(causal) * kept.numel(), kept.numel())
+
     def sim_dense(self, layer: AttentionLayer) -> bool:
         """Whether every sim-mode row of `layer` attends its whole causal prefix of the real KV: true unless the
         method defines which entries rows keep (`sim_keep`) or what they see (`sim_kv`)."""
@@ -107,9 +123,15 @@ class MethodDriver:
     def sim_causal(self, session: Session, layer: AttentionLayer, q, k, v) -> torch.Tensor:
         """A dense layer over a plain causal sequence: one fused causal call, no mask, no chunks."""
         out, _ = attend_fused(q, k, v, None, layer.logit_scale, causal=True)
-        decoded = q.shape[2] - min(session.dense_rows, q.shape[2])
-        if decoded:
-            self.stats.add(layer.index, "kv_fraction", q.new_ones(q.shape[0], layer.num_kv_heads, decoded))
+        t = q.shape[2]
+        first = min(session.dense_rows, t)
+        if t > first:
+            self.stats.add(layer.index, "kv_fraction", q.new_ones(q.shape[0], layer.num_kv_heads, t - first))
+            if not self.dense_layer(layer):  # every decoded row keeps its whole prefix: host sums, nothing dispatched
+                rows = q.shape[0] * layer.num_kv_heads
+                causal = causal_entries(layer, first, t) * rows
+                self.stats.add_total(layer.index, "kept", causal, rows * (t - first))
+                self.stats.add_total(layer.index, "causal", causal, rows * (t - first))
         return out
 
     needs_prefill_probs = False  # set True if after_prefill reads the prefill attention probabilities
@@ -139,9 +161,10 @@ class MethodDriver:
         return torch.cat(outs, dim=2)
 
     def record_sim(self, session: Session, layer: AttentionLayer, keep, allowed, rows: torch.Tensor,
-                   start: int | None = None) -> None:
+                   start: int | None = None, kept: torch.Tensor | None = None) -> None:
         """kv_fraction of the chunk's rows at sequence positions `rows` that are decoded (>= dense_rows). start:
-        rows[0] (ascending, consecutive), when the caller knows it: nothing is then read back from the device."""
+        rows[0] (ascending, consecutive), when the caller knows it: nothing is then read back from the device.
+        kept: (b|1, h_kv|1, r) entries each row kept, where that is not what it attended (infinigen/stats.py)."""
         if start is None:
             first = int((rows < session.dense_rows).sum())  # rows are ascending: the decoded ones come last
         else:
@@ -153,12 +176,24 @@ class MethodDriver:
         batch = session.attn_inputs[layer.index].shape[0]  # keep/allowed may be broadcast over the batch
         attended = attended.expand(batch, layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
         self.stats.add(layer.index, "kv_fraction", attended / causal.clamp(min=1))
+        kept = attended if kept is None else kept[:, :, first:].expand_as(attended)
+        self.record_kept(layer, kept, causal.expand_as(attended))
 
     def record_decode(self, layer: AttentionLayer, store: KVStore, attended) -> None:
         """kv_fraction of the current row: `attended` entries (its own included) of what full attention attends."""
         b = store.positions.shape[0]
         attended = torch.as_tensor(attended, dtype=torch.float32).expand(b, layer.num_kv_heads)
-        self.stats.add(layer.index, "kv_fraction", attended / (full_past(layer, store.seen - 1) + 1))
+        causal = full_past(layer, store.seen - 1) + 1
+        self.stats.add(layer.index, "kv_fraction", attended / causal)
+        self.record_kept(layer, attended, causal)
+
+
+def causal_entries(layer: AttentionLayer, start: int, stop: int) -> int:
+    """Entries the model's own attention lets the rows at positions start..stop-1 attend, summed (each row its
+    `full_past` and itself)."""
+    if layer.sliding_window is None:
+        return (stop * (stop + 1) - start * (start + 1)) // 2
+    return sum(full_past(layer, p) + 1 for p in range(start, stop))
 
 
 class GatheringDriver:
@@ -185,7 +220,7 @@ class GatheringDriver:
         return keep if window is None else keep & window
 
     def decode_attention(self, session, layer, q, store):
-        if self.offload_kind(layer) != "gather":
+        if self.dense_layer(layer):
             return super().decode_attention(session, layer, q, store)
         past, position = store.stored - 1, store.seen - 1
         keep = self.windowed(layer, store, self.select(session, layer, q, store, past, position), position)
@@ -197,7 +232,9 @@ class GatheringDriver:
         keys, values, mask = store.selected(keep)
         out, _ = attend(q, keys, values, mask, layer.logit_scale)
         full = full_past(layer, store.seen - 1) + 1  # what the model's own attention attends at this row
-        self.stats.add(layer.index, "kv_fraction", keep.sum(-1), offset=1, scale=1 / full)
+        selected = keep.sum(-1)
+        self.stats.add(layer.index, "kv_fraction", selected, offset=1, scale=1 / full)
+        self.record_kept(layer, selected, full, offset=1)
         self.after_step(session, layer, q, store, keep)
         return out
 

@@ -233,7 +233,7 @@ def kv_shape(cfg) -> tuple[int, int] | None:
     None when neither says."""
     config = local_config(cfg) or ({} if cfg.get("local_path") else dict(cfg.get("arch") or {}))
     heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
+    kv_heads = heads if cfg.get("multihead") else config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
     return (int(kv_heads), int(head_dim)) if kv_heads and head_dim else None
 
@@ -255,6 +255,8 @@ def validate_model(cfg) -> None:
         raise ValueError(f"model {cfg.name!r}: set one of gguf_package, hf_id or local_path (or random_init)")
     if cfg.get("gguf_package"):
         gguf_package(cfg.gguf_package)
+    if cfg.get("multihead") not in (None, True, False):
+        raise ValueError(f"model.multihead must be true or false, got {cfg.get('multihead')!r}")
     dtype = cfg.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {dtype!r}")

@@ -39,3 +39,21 @@ def _resolve(key: str, *, _root_):
 
 
 OmegaConf.register_new_resolver("infinigen_setting", _resolve, replace=True)
+
+# conf/method/infinigen_reference.yaml: what differs between the artifact's two model paths (docs/methods.md). Its
+# OPT code (accuracy/src/modeling_opt_ours.py) thresholds each head by its own best and its scripts run alpha 4
+# (perplexity/table2.sh); its Llama code (modeling_llama_ours.py) thresholds every head by the first head's best,
+# with alpha 5 (table2.sh; figure12.sh runs 5.2). Other families take the Llama path's values.
+REFERENCE = {"opt": {"alpha": 4.0, "threshold_head": "own"}}
+REFERENCE_LLAMA = {"alpha": 5.0, "threshold_head": "first"}
+
+
+def _reference(key: str, *, _root_):
+    model_type = OmegaConf.select(_root_, "model.arch.model_type", default=None)
+    setting_ = REFERENCE.get(model_type, REFERENCE_LLAMA)
+    if key not in setting_:
+        raise ValueError(f"infinigen_reference: unknown key {key!r}; one of {tuple(setting_)}")
+    return setting_[key]
+
+
+OmegaConf.register_new_resolver("infinigen_reference", _reference, replace=True)

@@ -19,9 +19,16 @@ NON_SEMANTIC_METHOD = ("calib_data_dir", "capture")
 MOVED_TARGETS = {"infinigen.method.infinigen.InfiniGen": "infinigen.infinigen_method.infinigen.InfiniGen"}
 # method options added after rows were stored, with the value that means the behaviour from before they existed:
 # at that value a run computes what a row without the key did, so the key is left out (the stored rows stay valid)
-LATER_METHOD_OPTIONS = {"budget_tokens": None, "qk_norm": "rms"}
+LATER_METHOD_OPTIONS = {"budget_tokens": None, "qk_norm": "rms", "budget_of": "prefix", "threshold_head": "own",
+                        "current_token": "kept", "column_count": "round", "column_tokens": None,
+                        "heavy_hitters": "cache", "dense_layers": 0}
 # the same for task options (the latency task's schedule of the performance model: infinigen/offload/paper.py)
 LATER_TASK_OPTIONS = {"schedule": "overlapped", "paper": {}, "skip_windows": 0}
+# task options that change how fast a task runs, never what it computes, hashed at the one value stored rows were
+# written with: whatever it is set to, a run is the same config as theirs. lm_eval's batch_size: equal-length
+# requests share a forward, never padded (tests/test_lm_eval.py: the same scores and stats at any batch size); its
+# default went from 1 to auto (issue 63)
+SPEED_TASK_OPTIONS = {"lm_eval": {"batch_size": 1}}
 
 # lm_eval options only RULER tasks read (the QA files only its QA tasks): a run without one computes the same
 # whatever they say
@@ -51,7 +58,8 @@ def semantic_config(config: dict) -> dict:
     out["method"] = semantic_method(out.get("method", {}))
     task = out.get("task")
     if isinstance(task, dict):
-        task = out["task"] = {k: v for k, v in task.items()
+        speed = SPEED_TASK_OPTIONS.get(task.get("name"), {})
+        task = out["task"] = {k: speed.get(k, v) for k, v in task.items()
                               if not (k in LATER_TASK_OPTIONS and v == LATER_TASK_OPTIONS[k])}
     if isinstance(task, dict) and task.get("name") == "lm_eval":
         names = [task["tasks"]] if isinstance(task.get("tasks"), str) else list(task.get("tasks") or [])

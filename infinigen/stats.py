@@ -1,5 +1,15 @@
 """What both modes record per layer and row (`KVStats`), above all `kv_fraction`: the mean fraction of the causal
-KV entries a decoded query row actually attended."""
+KV entries a decoded query row actually attended.
+
+Kept fraction on the paper's axis: beside kv_fraction (a mean over rows of each row's fraction) every method records
+per row the entries it keeps (`kept`) and the causal entries (`causal`), on the layers it does not leave dense
+(`MethodDriver.dense_layer`). `density` is their ratio of sums, kept entries over the causal area, as the InfiniGen
+artifact counts it (accuracy/perplexity/llama.py: the mean of `kv_cache_mask`'s density over layers 2+), and
+`retain` = 1 - sqrt(1 - density), the artifact's "retain ratio" (a fraction here, a percentage there). A row whose
+selection keeps fewer entries than it attends (InfiniGen's reference setting, a row that fetched nothing and so, as
+the artifact's additive mask does, attends everything) counts what it kept in `kept` and what it attended in
+kv_fraction.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +39,11 @@ class KVStats:
         self._pending.append((layer, name, values, offset, scale))
         if len(self._pending) >= self.PENDING:
             self._fold()
+
+    def add_total(self, layer: int, name: str, total: float, count: int) -> None:
+        """Records `count` values summing to `total` (host numbers: nothing is dispatched)."""
+        self._sums[name][layer] += total
+        self._counts[name][layer] += count
 
     def _fold(self) -> None:
         for layer, name, values, offset, scale in self._pending:
@@ -63,11 +78,21 @@ class KVStats:
         n = sum(self.counts[name].values())
         return sum(self.sums[name].values()) / n if n else float("nan")
 
+    def density(self) -> float:
+        """Kept entries over the causal area, summed over every recorded row and layer (NaN if none)."""
+        kept, causal = sum(self.sums["kept"].values()), sum(self.sums["causal"].values())
+        return kept / causal if causal else float("nan")
+
     def summary(self) -> dict:
-        out = {name: self.mean(name) for name in self.sums}
-        if "kv_fraction" in out:
-            density = min(max(out["kv_fraction"], 0.0), 1.0)
-            out["retain_ratio"] = (1 - math.sqrt(1 - density)) * 100  # the paper's x-axis (InfiniGen Fig. 11)
-        out["per_layer"] = {name: self.per_layer(name) for name in self.sums}
+        out = {name: self.mean(name) for name in self.sums if name not in ("kept", "causal")}
+        out["per_layer"] = {name: self.per_layer(name) for name in self.sums if name not in ("kept", "causal")}
+        if self.counts["causal"]:
+            density = self.density()
+            out["density"] = density
+            out["retain"] = 1 - math.sqrt(1 - min(max(density, 0.0), 1.0))  # the paper's x-axis (InfiniGen Fig. 11)
+            sums = self.sums
+            out["per_layer"]["density"] = {i: sums["kept"][i] / sums["causal"][i] for i in sorted(sums["causal"])
+                                           if sums["causal"][i]}
+            out["per_layer"]["kept"] = {i: sums["kept"][i] for i in sorted(sums["kept"])}
         return out
 

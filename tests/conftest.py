@@ -1,4 +1,5 @@
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,6 +16,12 @@ TINY = ["tiny-opt", "tiny-llama", "tiny-llama-gqa"]
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 
 
+def readme_example() -> str:
+    """The README's "Use it from Python" example as a user copies it: the section's first python block."""
+    section = (ROOT / "README.md").read_text().split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
 def method_class(name: str):
     """The class conf/method/<name>.yaml names (imported, not instantiated)."""
     from hydra.utils import get_class
@@ -24,8 +31,10 @@ def method_class(name: str):
 
 def variants(name: str) -> list[dict]:
     """The settings every method-wide test checks a method under: {} (its conf/method defaults) and the
-    `test_variants` its class declares (eviction on, other bits, ...)."""
-    return [{}, *method_class(name).test_variants]
+    `test_variants` its class declares (eviction on, other bits, ...). A reference preset (conf/method/*_reference:
+    another conf of a class whose variants its own conf runs) adds only the first."""
+    declared = method_class(name).test_variants
+    return [{}, *(declared[:1] if name.endswith("_reference") else declared)]
 
 
 # under pytest-xdist (`make test` runs one worker per core) each worker computes on one thread: two workers

@@ -36,7 +36,7 @@ def run(model, method, task, params, task_params, results):
 
 
 def stats(kv, recall=None):
-    out = {"kv_fraction": kv, "retain_ratio": (1 - math.sqrt(1 - min(kv, 1))) * 100}
+    out = {"kv_fraction": kv, "density": kv, "retain": 1 - math.sqrt(1 - min(kv, 1))}
     return out | ({"recall": recall} if recall is not None else {})
 
 

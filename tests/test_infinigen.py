@@ -147,12 +147,12 @@ def test_select_respects_the_cap_and_the_candidates():
     rows = torch.arange(r)
     candidates = (torch.arange(L)[None, :] < rows[:, None])[None, None]  # strictly causal
     for alpha, budget in [(0.5, 0.1), (2.0, 0.3), (math.inf, 0.5), (math.inf, 1.0)]:
-        keep, n = select(scores, candidates, rows, alpha, budget, "prob_sum", None, L)
         cap = budget_cap(budget, rows)
+        keep, n = select(scores, candidates, cap, alpha, "prob_sum", L)
         assert (n <= cap[None]).all()
         assert (keep.sum(-1) == n[:, None]).all()  # every KV head fetches exactly n
         assert not (keep & ~candidates).any()
-    keep, n = select(scores, candidates, rows, math.inf, 1.0, "prob_sum", None, L)
+    keep, n = select(scores, candidates, budget_cap(1.0, rows), math.inf, "prob_sum", L)
     assert torch.equal(keep, candidates.expand_as(keep))
 
 
@@ -172,8 +172,7 @@ def test_top_n_keeps_exactly_n_even_on_ties():
 def test_dynamic_count_follows_alpha():
     # one head, one row: scores 10, 9, 7, 2 -> within alpha=2.5 of the max: two tokens
     scores = torch.tensor([10.0, 9.0, 7.0, 2.0]).view(1, 1, 1, 1, 4)
-    keep, n = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, 1.0, "logit_max", None,
-                     4)
+    keep, n = select(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.tensor([4]), 2.5, "logit_max", 4)
     assert n.item() == 2 and keep[0, 0, 0].tolist() == [True, True, False, False]
 
 

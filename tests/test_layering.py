@@ -19,7 +19,7 @@ LAYERS = [
     # model access, contract, data, what a run computes
     ("framework", ["infinigen.adapter", "infinigen.models", "infinigen.contract", "infinigen.corpora",
                    "infinigen.semantic", "infinigen.selected", "infinigen.attention", "infinigen.rows", "infinigen.stats",
-                   "infinigen.budget", "infinigen.driver", "infinigen.runtime_needs"]),
+                   "infinigen.budget", "infinigen.driver", "infinigen.runtime_needs", "infinigen.multihead"]),
     # sim/decode driver, offloading runtime, the Python API (methods built from conf/ by their _target_)
     ("runtimes", ["infinigen.modes", "infinigen.offload", "infinigen.api"]),
     ("methods", ["infinigen.method", "infinigen.shared", "baselines"]),

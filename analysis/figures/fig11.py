@@ -14,13 +14,15 @@ def fig11_accuracy(df: pd.DataFrame, x: str = "kv_pct") -> tuple[Figure, pd.Data
     """Accuracy vs relative KV cache size, one panel per (model, lm-eval task, shots, docs, protocol); full
     attention is the dashed reference, its 95% interval shaded; each point's 95% interval (1.96 x lm-eval's
     acc_stderr) is its error bar. x = "kv_pct" (measured kv_fraction x bytes per entry vs 16 bits, see
-    `with_kv`) or "retain_ratio" (the stats' (1 - sqrt(1 - kv_fraction)) * 100)."""
+    `with_kv`) or "retain_pct" (the InfiniGen artifact's retain ratio, 1 - sqrt(1 - density), in %, density being
+    the kept entries over the causal area of the method's selecting layers: infinigen/stats.py; rows written
+    before it was recorded have none)."""
     title = "Fig. 11: accuracy vs relative KV cache size"
     hint = run_hint("fig11_accuracy_smoke", "fig11_accuracy_smollm2", "fig11_accuracy_opt", "fig11_accuracy_llama")
     rows = with_kv(of_task(df, "lm_eval"))
     rows["acc_pct"] = 100 * metric(rows, "acc")
     rows["ci_pct"] = 100 * 1.96 * metric(rows, "acc_stderr")
-    rows["retain_ratio"] = metric(rows, "retain_ratio")
+    rows["retain_pct"] = 100 * metric(rows, "retain")
     rows = rows.dropna(subset=["acc_pct", x])
     if rows.empty:
         return empty_figure(title, "lm_eval rows", hint), pd.DataFrame(columns=["panel", "curve", x, "acc_pct"])

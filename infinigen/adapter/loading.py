@@ -2,8 +2,9 @@
 
 `load` builds what infinigen/models.py checks and locates without importing torch: a random-init model of a config's
 shape, or a checkpoint (a GGUF file through its one-time float32 conversion to a transformers folder,
-`converted_dir`). It remembers which tokenizer came with each model (`tokenizer_of`); random-init models have none
-and read UTF-8 bytes (`encode`, `byte_tokenizer`).
+`converted_dir`); `model.multihead=true` repeats each KV head for its query heads (infinigen/adapter/multihead.py). It
+remembers which tokenizer came with each model (`tokenizer_of`); random-init models have none and read UTF-8 bytes
+(`encode`, `byte_tokenizer`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)  # an inference harness: no autograd state anywhere
+    if cfg.get("multihead"):  # one KV head per query head: the same logits (infinigen/multihead.py)
+        from infinigen.adapter.multihead import repeat_kv_heads
+
+        model = repeat_kv_heads(model)
     _TOKENIZERS[model] = tokenizer
     return model, tokenizer
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from infinigen.adapter import AttentionLayer, Session, encode, norm_weight_only, reads_bytes, tokenizer_of
 from infinigen.attention import score_dtype
 from infinigen.corpora import check_dataset, corpus_text, identity, without_paths
-from infinigen.method.skew import Skew, calibrate
+from infinigen.method.skew import COLUMN_COUNTS, Skew, calibrate
 from infinigen.shared.selective_attention import SelectiveAttention
 from infinigen.shared.step import CapturedSelection, select_step, speculated_query
 
@@ -84,6 +84,8 @@ class InfiniGen(SelectiveAttention):
     capture: str = "none"  # see CAPTURE: none | graph | compile (CUDA; how a decode step's selection is launched)
     calibration: str = "pg19"  # a corpus spec (infinigen/corpora.py): a name, file:PATH or hf:PATH/CONFIG/SPLIT/COLUMN
     calib_tokens: int = 2048
+    column_count: str = "round"  # round | floor: partial_ratio x head_dim as a column count (the artifact: floor)
+    column_tokens: int | None = None  # partial columns from the first N calibration tokens (None: all calib_tokens)
     calib_data_dir: str | None = None
     cache_dir: str | None = ".cache/infinigen"
 
@@ -105,6 +107,11 @@ class InfiniGen(SelectiveAttention):
             raise ValueError("skip_layers must be >= 1: layer 0 has no previous layer to speculate from")
         if self.calib_tokens < 16:
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
+        if self.column_count not in COLUMN_COUNTS:
+            raise ValueError(f"column_count must be one of {tuple(COLUMN_COUNTS)}, got {self.column_count!r}")
+        if self.column_tokens is not None and not 1 <= self.column_tokens <= self.calib_tokens:
+            raise ValueError(f"column_tokens must be null or in 1..calib_tokens ({self.calib_tokens}), got "
+                             f"{self.column_tokens!r}")
         if self.capture not in CAPTURE:
             raise ValueError(f"capture must be one of {CAPTURE}, got {self.capture!r}")
         self.skewing: Skew | None = None
@@ -137,7 +144,7 @@ class InfiniGen(SelectiveAttention):
     def bind(self, session: Session) -> None:
         super().bind(session)
         model = session.model
-        keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens")
+        keys = ("skew", "partial_ratio", "partial_select", "calibration", "calib_tokens", "column_count", "column_tokens")
         settings = {k: asdict(self)[k] for k in keys}
         # the calibration text's content (not its folder) keys the skew cache: other text, other rotations
         settings["calibration_data"] = (RANDOM_CALIBRATION if self._random_calibration
@@ -146,6 +153,7 @@ class InfiniGen(SelectiveAttention):
         self.skewing = calibrate(
             model, lambda: self._calibration_ids(model), skew=self.skew, partial_ratio=self.partial_ratio,
             partial_select=self.partial_select, cache_dir=self.cache_dir, settings=settings,
+            column_count=self.column_count, column_tokens=self.column_tokens,
         )
         self._projections = [partial_projection(self.skewing, i, layer.head_dim) for i, layer in enumerate(session.layers)]
         self._repeated = {}
@@ -312,7 +320,7 @@ class InfiniGen(SelectiveAttention):
         """The partial key cache's columns (calibrated; before calibration, partial_ratio of head_dim)."""
         if self.skewing is not None:
             return int(self.skewing.columns[layer.index].sum(-1).max())
-        return max(1, round(self.partial_ratio * layer.head_dim))
+        return max(1, COLUMN_COUNTS[self.column_count](self.partial_ratio * layer.head_dim))
 
     def selection_flops(self, layer, past):
         """Scoring the partial key cache, plus the speculated query itself: without rotary embeddings (OPT) the

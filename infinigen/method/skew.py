@@ -114,9 +114,17 @@ def _fingerprint(model) -> str:
 _DONE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {settings: Skew} (folds happen once)
 
 
-def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, partial_ratio: float, partial_select: str, cache_dir: str | None,
-              settings: str) -> Skew:
-    """Skew + partial columns for every layer of `model`, cached in memory per model and on disk by weights."""
+COLUMN_COUNTS = {"round": round, "floor": int}  # partial columns per head from partial_ratio x head_dim
+
+
+def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, partial_ratio: float, partial_select: str,
+              cache_dir: str | None, settings: str, column_count: str = "round", column_tokens: int | None = None) -> Skew:
+    """Skew + partial columns for every layer of `model`, cached in memory per model and on disk by weights.
+
+    The skew comes from the calibration ids; the partial columns from the same forward, or (column_tokens) from a
+    forward over their first column_tokens only (the InfiniGen artifact calibrates its skew on 2,048 tokens of PG-19
+    and its columns on a ~100-token prompt: setup/gen_llama_skewing_matrix.py, setup/gen_partial_weight.py).
+    column_count: how partial_ratio x head_dim becomes a count, "round" or "floor" (the artifact's int())."""
     per_model = _DONE.setdefault(model, {})
     if settings in per_model:
         return per_model[settings]
@@ -127,12 +135,15 @@ def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, parti
         rotations, columns = saved["rotations"], saved["columns"]
     else:
         rotations, columns = [], []
-        for layer, (q, k) in zip(layers, capture_qk(model, input_ids())):
+        ids = input_ids()
+        captured = capture_qk(model, ids)
+        shorter = capture_qk(model, ids[:, :column_tokens]) if column_tokens else captured
+        for layer, (q, k), (qc, kc) in zip(layers, captured, shorter):
             A = rotation(q, layer.groups) if skew else torch.eye(layer.head_dim).expand(layer.num_kv_heads, -1, -1)
             hk, g, d = layer.num_kv_heads, layer.groups, layer.head_dim
-            qs = torch.einsum("hgtd,hde->hgte", q.reshape(hk, g, -1, d), A)
-            ks = torch.einsum("htd,hde->hte", k, A)
-            r = max(1, round(partial_ratio * d))
+            qs = torch.einsum("hgtd,hde->hgte", qc.reshape(hk, g, -1, d), A)
+            ks = torch.einsum("htd,hde->hte", kc, A)
+            r = max(1, COLUMN_COUNTS[column_count](partial_ratio * d))
             cols = top_columns(qs.abs().sum(dim=(1, 2)), r)
             if partial_select == "qk":
                 cols = torch.maximum(cols, top_columns(ks.abs().sum(dim=1), r))

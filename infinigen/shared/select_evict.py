@@ -11,6 +11,9 @@ import math
 
 import torch
 
+from infinigen.adapter import AttentionLayer, Session
+from infinigen.rows import full_past
+
 GQA_REDUCE = ("prob_sum", "logit_max", "logit_mean")
 EVICTION = ("counter", "lru", "fifo")
 NEG = float("-inf")
@@ -44,33 +47,41 @@ def cap_of(budget: float, past: int, max_num_kv: int | None = None) -> int:
     return cap if max_num_kv is None else min(cap, max_num_kv)
 
 
+def sequence_cap(budget: float, length: int, max_num_kv: int | None = None) -> int:
+    """The fixed cap of budget_of="sequence": int(budget * length), as the InfiniGen artifact truncates it
+    (`fetch_max = int(src_len * self.budget)`), optionally capped by max_num_kv."""
+    cap = int(length * budget)
+    return cap if max_num_kv is None else min(cap, max_num_kv)
+
+
 def rank(
     scores: torch.Tensor,
     candidates: torch.Tensor | None,
-    past: torch.Tensor,
+    cap,
     alpha: float,
-    budget: float,
     gqa_reduce: str,
-    max_num_kv: int | None = None,
     first: int | None = None,
+    threshold_head: str = "own",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How each row ranks its candidates, and how many it fetches: agg (b, hk, r, L) float (-inf: not a
     candidate), n (b, r).
 
     scores (b, hk, g, r, L) speculated (or true) logits, consumed (overwritten) here; candidates
-    (b|1, hk|1, r, L) bool (None: all of them, for one row); past (r,) the sequence length before each row (the budget
-    is a fraction of it), an int with candidates=None;
+    (b|1, hk|1, r, L) bool (None: all of them, for one row); cap the most each row may fetch: (r,) long, or an int
+    with candidates=None (the selection's `row_caps` / `row_cap`);
     first: how many leading columns are candidates of every row, when the caller knows it (None: computed here,
     which reads a device value on the host).
 
     Count (InfiniGen's dynamic fetch): per query head the candidates scoring above (max - alpha), averaged
-    over all heads of the layer and floored, capped by the budget and by what the pool holds.
+    over all heads of the layer and floored, capped by `cap` and by what the pool holds. The max is each head's own
+    (threshold_head="own") or the layer's first query head's for every head ("first": the InfiniGen artifact's
+    Llama code, accuracy/src/modeling_llama_ours.py `kv_cache_mask`).
     Rank per KV head (GQA) by `gqa_reduce` over its g query heads: prob_sum = the sum of their softmax
     probabilities (the attention mass the entry would get across the heads); logit_max / logit_mean.
     """
     b, hk, L = scores.shape[0], scores.shape[1], scores.shape[-1]
     masked = scores
-    if candidates is None:  # every entry of one decode row (past: its position, an int): nothing to mask
+    if candidates is None:  # every entry of one decode row: nothing to mask
         tail = held = None
     else:
         # leading columns every row may fetch (a causal chunk's past) need no masking: only the rest is touched
@@ -80,18 +91,20 @@ def rank(
         # finite, so a row without candidates stays NaN-free; the scores' own dtype's (float32 in a half model)
         masked[..., first:].masked_fill_(tail.unsqueeze(2), torch.finfo(masked.dtype).min)  # (b, hk, g, r, L)
         held = first + (~tail).sum(-1, dtype=torch.int32).long()  # (b, hk, r)
-    top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
     if math.isinf(alpha):
         n = None
     else:
+        top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
+        if threshold_head == "first":
+            top = top[:, :1, :1]  # (b, 1, 1, r, 1): the first query head's max, for every head
         count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries never count
         n = count.sum(dim=(1, 2)) // (hk * scores.shape[2])  # the floor of the mean over heads, in integers
-    if isinstance(past, int):  # one row, every entry a candidate: the caps are host numbers
-        limit = min(cap_of(budget, past, max_num_kv), L)
+    if isinstance(cap, int):  # one row, every entry a candidate: the caps are host numbers
+        limit = min(cap, L)
         n = torch.full((b, 1), limit, device=scores.device) if n is None else n.clamp(max=limit)
     else:
         n = held.amin(1) if n is None else n
-        n = torch.minimum(torch.minimum(n, budget_cap(budget, past, max_num_kv)[None]), held.amin(1))
+        n = torch.minimum(torch.minimum(n, cap[None]), held.amin(1))
     agg = reduce_query_heads(masked, gqa_reduce, dim=2)
     if tail is not None:
         agg[..., first:].masked_fill_(tail, NEG)  # (b, hk, r, L)
@@ -99,11 +112,11 @@ def rank(
     return agg, n
 
 
-def select(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv, width: int,
-           first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select(scores, candidates, cap, alpha, gqa_reduce, width: int, first: int | None = None,
+           threshold_head: str = "own") -> tuple[torch.Tensor, torch.Tensor]:
     """Which candidates each row fetches, and how many: keep (b, hk, r, L) bool, n (b, r). See `rank`; width:
-    a host bound on n (the widest budget cap among the rows)."""
-    agg, n = rank(scores, candidates, past, alpha, budget, gqa_reduce, max_num_kv, first)
+    a host bound on n (the widest cap among the rows)."""
+    agg, n = rank(scores, candidates, cap, alpha, gqa_reduce, first, threshold_head)
     return top_n(agg, n, width), n
 
 
@@ -163,3 +176,37 @@ def pool_limit(capacity: float | int, max_len: int) -> int:
     if capacity <= 1:
         return max(1, math.ceil(capacity * max_len - 1e-9))
     return int(capacity)
+
+
+class RowCaps:
+    """How many entries a row may fetch, by `budget_of` (a selective-attention method's `budget`, `max_num_kv` and
+    `budget_of` fields; infinigen/shared/selective_attention.py says what each value means)."""
+
+    def row_caps(self, session: Session, layer: AttentionLayer, past: torch.Tensor) -> torch.Tensor:
+        """(r,) long: the most each row with `past` (r,) entries before it may fetch."""
+        if self.budget_of == "sequence":
+            return torch.full_like(past, self.layer_cap(session, layer))
+        return budget_cap(self.budget, past, self.max_num_kv)
+
+    def row_cap(self, session: Session, layer: AttentionLayer, past: int) -> int:
+        """`row_caps` of one row, on the host."""
+        if self.budget_of == "sequence":
+            return self.layer_cap(session, layer)
+        return cap_of(self.budget, past, self.max_num_kv)
+
+    def layer_cap(self, session: Session, layer: AttentionLayer) -> int:
+        """budget_of="sequence": int(budget x what the model's attention lets the sequence's last row see on
+        `layer`) (the whole sequence on a global layer)."""
+        if not session.max_len:
+            raise ValueError("budget_of='sequence' is a fraction of the longest sequence, which this session was not "
+                             "told (model.generate inside infinigen.apply tells it; direct forwards: "
+                             "apply(..., max_len=N))")
+        return sequence_cap(self.budget, full_past(layer, session.max_len - 1) + 1, self.max_num_kv)
+
+    def dense_rows(self, session: Session, layer: AttentionLayer, past):
+        """Which rows (`past` entries before each: a tensor or an int) attend every entry: under
+        budget_of="sequence" those with fewer than the cap (the artifact's first `fetch_max` rows); None
+        otherwise."""
+        if self.budget_of != "sequence":
+            return None
+        return past < self.layer_cap(session, layer)

@@ -4,6 +4,26 @@ A subclass supplies the vectors each decoded row ranks its candidates with (`sco
 this class applies the dynamic count + cap (`selection.select`), the pool with capacity and eviction, and
 the statistics (kv_fraction, selected tokens, recall), identically in sim and decode mode.
 
+Three options set how a row's count and candidates are defined; their defaults are this project's, the other values
+what the InfiniGen artifact's accuracy code computes (accuracy/src/modeling_llama_ours.py and modeling_opt_ours.py,
+`kv_cache_mask`; docs/methods.md has each one's measured effect):
+
+    budget_of       "prefix": a row fetches at most ceil(budget x the entries before it); "sequence": at most
+                    int(budget x the sequence length), the same for every row, and rows with fewer entries before
+                    them than that attend all of them (the artifact's `fetch_max` and its dense first rows). The
+                    length is the session's longest sequence (sim: the forward's; decode: `max_len`)
+    threshold_head  "own": each head counts the candidates within alpha of its own best; "first": of the layer's
+                    first query head's best, for every head (the artifact's Llama code; its OPT code uses "own")
+    current_token   "kept": a decoded row attends itself besides its selection; "ranked": it is a candidate like the
+                    past, so the count may leave it out, and a row that selects nothing attends its whole prefix (the
+                    artifact adds -10000 to every unselected logit: an empty selection shifts them all alike)
+
+The selection statics of the harness's defaults (a captured CUDA step, `static_step`) serve those defaults; the other
+values run the general path. In the offloading runtime current_token="ranked" cannot gather a selection ahead of the
+layer (it ranks the layer's current key, and an empty selection attends everything): every entry crosses (`held`)
+and the selection is made where the attention runs, so the runtime computes the reference but moves what full
+offloading moves.
+
 On a local layer (a sliding window) the candidates are the pool's entries inside the row's window and the cap is
 `budget` of what the model's own attention attends there (`full_past`): a budget means the same share of the
 layer's attention on local and global layers.
@@ -18,16 +38,26 @@ from typing import ClassVar
 import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
-from infinigen.attention import attend, attend_fused, attend_rows, grouped_matmul, score_dtype, selection_logits, widen
+from infinigen.attention import attend, attend_fused, grouped_matmul, score_dtype, selection_logits
 from infinigen.budget import check_budget
 from infinigen.contract import GatheringMethod
 from infinigen.rows import full_past, in_window, keep_mask, row_chunks
-from infinigen.shared.select_evict import EVICTION, GQA_REDUCE, cap_of, pool_limit, rank, select, top_k, victim
-from infinigen.shared.step import StepBuffers, select_step, thresholds
+from infinigen.shared.select_evict import (EVICTION, GQA_REDUCE, RowCaps, cap_of, pool_limit, rank, select,
+                                           sequence_cap, top_k, victim)
+from infinigen.shared.step import StaticStep
+
+
+BUDGET_OF = ("prefix", "sequence")
+# current_token="ranked": the InfiniGen artifact adds -10000 to every logit it did not select, so a row that selected
+# nothing attends everything, its logits shifted by -10000 before the float32 softmax (which rounds them to ~1e-3):
+# the same shift here reproduces its numbers, not only its choice
+EMPTY_SHIFT = -10000.0
+THRESHOLD_HEADS = ("own", "first")
+CURRENT_TOKEN = ("kept", "ranked")
 
 
 @dataclass
-class SelectiveAttention(GatheringMethod):
+class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
     alpha: float = math.inf
     budget: float = 0.2
     max_num_kv: int | None = None
@@ -36,6 +66,9 @@ class SelectiveAttention(GatheringMethod):
     skip_layers: int = 1
     gqa_reduce: str = "prob_sum"
     track_recall: bool = True
+    budget_of: str = "prefix"  # see the module docstring: prefix | sequence
+    threshold_head: str = "own"  # own | first
+    current_token: str = "kept"  # kept | ranked
 
     size_params: ClassVar[tuple[str, ...]] = ("alpha", "budget", "max_num_kv")
 
@@ -54,6 +87,10 @@ class SelectiveAttention(GatheringMethod):
             raise ValueError(f"gqa_reduce must be one of {GQA_REDUCE}, got {self.gqa_reduce!r}")
         if self.skip_layers < 0:
             raise ValueError(f"skip_layers must be >= 0, got {self.skip_layers}")
+        for name, allowed in (("budget_of", BUDGET_OF), ("threshold_head", THRESHOLD_HEADS),
+                              ("current_token", CURRENT_TOKEN)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self._views: dict = {}  # layer -> StepBuffers views of its store's static partial key cache
         self._keep: dict = {}  # layer -> its latest static selection's keep (b, h_kv, W + 1): the attention's mask
         self._thresholds: dict = {}  # ((b, h_kv, width), heads, finite, device) -> [limit, (width,) long, its view]
@@ -109,16 +146,27 @@ class SelectiveAttention(GatheringMethod):
         return pool_limit(self.capacity, session.max_len)
 
     def offload_kind(self, layer: AttentionLayer) -> str:
-        return "resident" if self.dense_layer(layer) else "gather"
+        """Dense layers resident; the others gather their selection, except under current_token="ranked", whose
+        selection needs the layer's current key (no prefetch) and whose empty selection attends everything: every
+        entry crosses (held) and the selection is made on the device."""
+        if self.dense_layer(layer):
+            return "resident"
+        return "held" if self.current_token == "ranked" else "gather"
 
     def max_held(self, max_len: int) -> int:
         return max_len if self.capacity == 1 else min(max_len, pool_limit(self.capacity, max_len) + 1)
 
     def max_selected(self, max_len: int) -> int:
+        if self.budget_of == "sequence":
+            return max(1, min(self.max_held(max_len), sequence_cap(self.budget, max_len, self.max_num_kv)))
         return max(1, min(self.max_held(max_len), cap_of(self.budget, max_len, self.max_num_kv)))
 
     def selection_width(self, session, past: int, position: int) -> int:
-        """At most what the row at `position` may fetch (its budget cap) or what is held before it."""
+        """At most what the row at `position` (its `full_past`) may fetch (its cap) or what is held before it; all
+        of it on a row budget_of="sequence" leaves dense."""
+        if self.budget_of == "sequence":  # a bound: a local layer's cap is at most a global one's
+            cap = sequence_cap(self.budget, session.max_len, self.max_num_kv)
+            return past if position < cap else min(past, cap)
         return min(past, max(cap_of(self.budget, position, self.max_num_kv), 0))
 
     # ------------------------------------------------------------------ sim mode
@@ -147,28 +195,38 @@ class SelectiveAttention(GatheringMethod):
         rows = torch.arange(r0, r1, device=dev)
         diag = rows[:, None] == torch.arange(r1, device=dev)[None, :]  # (r, s)
         allowed = allowed[..., r0:r1, :r1]  # (b|1, 1, r, s)
-        candidates = allowed & ~diag
+        ranked = self.current_token == "ranked"
+        candidates = allowed if ranked else allowed & ~diag
         scores = grouped_matmul(qs[:, :, :, r0:r1], ks[:, :, :r1])  # (b, hk, g, r, s)
+        past = full_past(layer, rows)  # (r,) entries before each row that the model's attention sees
         if pool is None:
             # a plain causal chunk's rows all see its first r0 columns; the widest cap is the last row's
             first = r0 if session.plain_causal else None
-            width = min(r1, cap_of(self.budget, full_past(layer, r1 - 1), self.max_num_kv))
-            keep, n = select(scores, candidates, full_past(layer, rows), self.alpha, self.budget, self.gqa_reduce,
-                             self.max_num_kv, width=width, first=first)
+            width = min(r1, self.row_cap(session, layer, full_past(layer, r1 - 1)) + ranked)
+            keep, n = select(scores, candidates, self.row_caps(session, layer, past), self.alpha, self.gqa_reduce,
+                             width=width, first=first, threshold_head=self.threshold_head)
             held = candidates
         else:
             session.chunk = (r0, r1)  # the rows as host ints: the pool's row loop branches on them
-            keep, n, held = self._sim_pool_rows(session, layer, scores, candidates, rows, pool)
-        decoded = rows >= session.dense_rows
-        keep = allowed & (keep | diag | ~decoded.view(1, 1, -1, 1))  # (b, hk, r, s)
+            keep, n, held = self._sim_pool_rows(session, layer, scores, candidates, rows, pool, diag)
+        every = ~(rows >= session.dense_rows)  # (r,) rows that attend their whole prefix: the prompt's,
+        dense = self.dense_rows(session, layer, past)  # those budget_of="sequence" leaves dense,
+        every = every if dense is None else every | dense
+        empty = (n == 0) & ~every[None] if ranked else None  # and a ranked row that selected nothing
+        selected = keep | diag if not ranked else keep
+        keep = allowed & (selected | every.view(1, 1, -1, 1) | (False if empty is None else empty[:, None, :, None]))
         first = min(max(session.dense_rows - r0, 0), r1 - r0)  # rows ascend: the chunk's dense rows come first
         qc, kc, vc = q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1]
-        if session.attention == "exact":
+        if empty is not None:  # the artifact's additive mask: an empty row's logits all shifted by EMPTY_SHIFT
+            shift = empty[:, None, :].to(q.dtype) * EMPTY_SHIFT  # (b, 1, r)
+            out, lse = attend(qc, kc, vc, keep, layer.logit_scale, shift=shift)[0], None
+        elif session.attention == "exact":
             out, lse = attend(qc, kc, vc, keep, layer.logit_scale)[0], None
         else:
             out, lse = attend_fused(qc, kc, vc, keep, layer.logit_scale)  # lse (b, h, r) or None
         if first < r1 - r0:
-            self.record_sim(session, layer, keep, allowed, rows, start=r0)
+            self.record_sim(session, layer, keep, allowed, rows, start=r0, kept=None if empty is None else
+                            keep.sum(-1, dtype=torch.int32).float().masked_fill_(empty[:, None], 0))
             self.stats.add(layer.index, "selected", n[:, first:])
             if self.track_recall:
                 if lse is None:  # the exact kernel, or a device whose fused kernel gives no log-sum-exp
@@ -193,24 +251,29 @@ class SelectiveAttention(GatheringMethod):
         self._evict_to(state)  # a prompt longer than the pool is trimmed right after the prefill
         return state
 
-    def _sim_pool_rows(self, session, layer, scores, candidates, rows, pool):
+    def _sim_pool_rows(self, session, layer, scores, candidates, rows, pool, diag):
         """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions.
         The rows' positions come from `session.chunk` (host ints): nothing is read back to branch on."""
         b, hk, g, r, s = scores.shape
         keep = torch.zeros(b, hk, r, s, dtype=torch.bool, device=scores.device)
         held = torch.zeros_like(keep)
         n = torch.zeros(b, r, dtype=torch.long, device=scores.device)
+        ranked = self.current_token == "ranked"
         for i, row in enumerate(range(*session.chunk)):
             if row < session.dense_rows:
                 continue
             cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
-            width = min(s, cap_of(self.budget, full_past(layer, row), self.max_num_kv))
-            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], full_past(layer, rows[i : i + 1]),
-                            self.alpha, self.budget, self.gqa_reduce, self.max_num_kv, width=width,
-                            first=0)  # the pool's candidates are no prefix (evictions leave holes): mask every column
+            if ranked:  # the row itself, not yet in the pool, competes with what the pool holds
+                cand = cand | (candidates[:, :, i] & diag[i])
+            width = min(s, self.row_cap(session, layer, full_past(layer, row)) + ranked)
+            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None],
+                            self.row_caps(session, layer, full_past(layer, rows[i : i + 1])), self.alpha,
+                            self.gqa_reduce, width=width, first=0,  # the pool's candidates are no prefix: mask all
+                            threshold_head=self.threshold_head)
             keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
-            pool["counts"][..., :s] += ki[:, :, 0]
-            pool["last"][..., :s].masked_fill_(ki[:, :, 0], row)
+            fetched = ki[:, :, 0] & ~diag[i] if ranked else ki[:, :, 0]
+            pool["counts"][..., :s] += fetched
+            pool["last"][..., :s].masked_fill_(fetched, row)
             pool["in_pool"][..., row] = True
             pool["size"] += 1
             self._evict_to(pool)
@@ -246,137 +309,90 @@ class SelectiveAttention(GatheringMethod):
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # as in sim mode: scaled, then dotted
         scores = grouped_matmul(qs.to(keys.dtype), keys)  # (b, hk, g, 1, past)
         window = in_window(layer, store, position, past)  # (b, hk, past) or None
+        before = full_past(layer, position)
         if window is None:
-            return rank(scores, None, position, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv)
-        row = torch.full((1,), full_past(layer, position), device=scores.device)
-        return rank(scores, window[:, :, None], row, self.alpha, self.budget, self.gqa_reduce, self.max_num_kv,
-                    first=0)
+            return rank(scores, None, self.row_cap(session, layer, before), self.alpha, self.gqa_reduce,
+                        threshold_head=self.threshold_head)
+        cap = self.row_caps(session, layer, torch.full((1,), before, device=scores.device))
+        return rank(scores, window[:, :, None], cap, self.alpha, self.gqa_reduce, first=0,
+                    threshold_head=self.threshold_head)
 
     def _width(self, session, layer, past, position) -> int:
-        return self.selection_width(session, past, full_past(layer, position))
+        """What the row at `position` selects at most on `layer` (a host int)."""
+        before = full_past(layer, position)
+        dense = self.dense_rows(session, layer, before)
+        if dense is not None:
+            return past if dense else min(past, self.layer_cap(session, layer))
+        return self.selection_width(session, past, before)
 
     def select(self, session, layer, q, store, past, position):
+        """keep (b, hk, past) over the past entries, or (b, hk, past + 1) with the current token last when it is
+        ranked with them (current_token="ranked": `attend_selected` reads the wider keep)."""
         if self.static_step(session, layer):
             return keep_mask(*self.static_select(session, layer, q, store, past, position), past)  # (b, hk, past)
-        agg, n = self._rank_step(session, layer, q, store, past, position)
-        idx, valid = top_k(agg, n, self._width(session, layer, past, position))
-        return keep_mask(idx[:, :, 0], valid[:, :, 0], past)  # (b, hk, past)
+        ranked = self.current_token == "ranked"
+        if self.dense_rows(session, layer, full_past(layer, position)):  # budget_of="sequence": attends them all
+            return store.positions.new_ones(*store.positions.shape[:2], past + ranked, dtype=torch.bool)
+        if ranked:
+            self.sync_store(session, layer, store)  # the current token's score key: it is a candidate
+        idx, valid = self._top(session, layer, q, store, past + ranked, position)
+        return keep_mask(idx, valid, past + ranked)
 
-    def select_indices(self, session, layer, q, store, past, position):
-        """The top selection_width entries straight from top-k, best first (no mask over the whole past to sort);
-        a static step's top `max_selected` of the longest sequence, whatever the step (`static_select`)."""
-        if self.static_step(session, layer):
-            return self.static_select(session, layer, q, store, past, position)
+    def _top(self, session, layer, q, store, past, position):
+        """The row's ranking of the first `past` held entries: its top (index, valid), each (b, hk, width)."""
         agg, n = self._rank_step(session, layer, q, store, past, position)
         idx, valid = top_k(agg, n, self._width(session, layer, past, position))
         return idx[:, :, 0], valid[:, :, 0]
 
-    # ------------------------------------------------------------------ the static decode step
-    def static_step(self, session, layer) -> bool:
-        """Whether `layer`'s decode steps select through `step.select_step`, over buffers allocated once per store
-        (`StepBuffers`) with the same shapes every step: where entry n stays entry n (a pool that never evicts), no
-        window moves over the candidates (a global layer) and the longest sequence is known (the buffers' length).
-        The rest take the general path (`_rank_step`); both select the same entries (tests/test_infinigen_step.py)."""
-        return (session.mode == "decode" and session.max_len > 0 and layer.sliding_window is None
-                and self.pool_size(session) is None)
+    def select_indices(self, session, layer, q, store, past, position):
+        """The top selection_width entries straight from top-k, best first (no mask over the whole past to sort);
+        a static step's top `max_selected` of the longest sequence, whatever the step (`static_select`); every
+        entry, on a row budget_of="sequence" leaves dense."""
+        if self.static_step(session, layer):
+            return self.static_select(session, layer, q, store, past, position)
+        if self.dense_rows(session, layer, full_past(layer, position)):
+            return super().select_indices(session, layer, q, store, past, position)  # sorts select's all-True keep
+        return self._top(session, layer, q, store, past, position)
 
-    def step_buffers(self, session, layer, store: KVStore) -> StepBuffers:
-        """The layer's static partial key cache: the tensor is per-entry state of the store (`entries`, its first
-        `state["step_written"]` rows written: a store reset drops it, a beam reorder moves its rows with the batch,
-        and the runtime counts its bytes), its views here, rebuilt when the tensor was replaced."""
-        b, hk = store.positions.shape[:2]
-        keys = store.entries.get("step_keys")
-        if keys is None or keys.shape[0] != b:
-            keys = store.entries["step_keys"] = StepBuffers.new(
-                b, hk, session.max_len, int(self.score_channels(layer)), score_dtype(layer.q_proj.weight.dtype),
-                store.positions.device)
-            store.state["step_written"] = 0
-        views = self._views.get(layer.index)
-        if views is None or views.keys is not keys:
-            views = self._views[layer.index] = StepBuffers(keys)
-        return views
-
-    def static_select(self, session, layer, q, store, past, position) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index, valid), each (b, h_kv, W), W = `max_selected` of the longest sequence: the ranks below the row's
-        count and budget cap are valid (host ints set the cap; nothing is read back)."""
-        buf = self.step_buffers(session, layer, store)
-        if store.state["step_written"] != past:
-            raise RuntimeError(f"layer {layer.index}: {store.state['step_written']} partial keys written, the row "
-                               f"ranks {past} entries")
-        b, hk = buf.keys.shape[:2]
-        width = self.max_selected(session.max_len)
-        thr = self.step_thresholds(self._width(session, layer, past, position), (b, hk, width + 1), layer.num_heads,
-                                   buf.keys.device)
-        index, keep = self.step_select(session, layer, q, buf, thr, width)
-        self._keep[layer.index] = keep
-        return index, keep[..., :width]
-
-    def step_select(self, session, layer, q, buf: StepBuffers, thr: torch.Tensor, width: int):
-        """`select_step` of this layer's query: the top-`width` index and keep."""
-        return select_step(self.step_query(session, layer, q), buf.keys_t, buf.live, thr, alpha=self.alpha,
-                           width=width, batch=buf.keys.shape[0], reduce=self.gqa_reduce)
-
-    def step_thresholds(self, limit: int, shape, heads: int, device) -> torch.Tensor:
-        """The (width + 1,) thresholds of `step.thresholds` viewed as `shape` (b, h_kv, width + 1), one buffer per
-        shape, rewritten in place (a captured graph reads it) only when the row's cap changes (every 1 / budget
-        positions); heads: the layer's query heads."""
-        finite = not math.isinf(self.alpha)
-        key = (tuple(shape), heads, finite, device)
-        entry = self._thresholds.get(key)
-        if entry is None:
-            t = thresholds(limit, shape[-1] - 1, heads, finite, device)
-            entry = self._thresholds[key] = [limit, t, t.expand(*shape)]
-        elif entry[0] != limit:
-            entry[1].copy_(thresholds(limit, shape[-1] - 1, heads, finite, device))
-            entry[0] = limit
-        return entry[2]
-
-    def step_query(self, session, layer, q) -> torch.Tensor:
-        """(b*h_kv, g, c + 1) in the score dtype: `score_queries` scaled by the logit scale, then the constant channel
-        the static keys' liveness channel is dotted with (a subclass may compute it in fewer ops)."""
-        qs = widen(self.score_queries(session, layer, q) * layer.logit_scale)  # (b, hk, g, 1, c)
-        b, hk, g = qs.shape[:3]
-        key = (b * hk, g, qs.dtype, qs.device)
-        if key not in self._ones:
-            self._ones[key] = torch.ones(b * hk, g, 1, dtype=qs.dtype, device=qs.device)
-        return torch.cat([qs.reshape(b * hk, g, -1), self._ones[key]], dim=-1)
-
-    def step_keys(self, layer, k: torch.Tensor, out: torch.Tensor) -> None:
-        """Writes the score keys of k (b, h_kv, n, d) into out (b*h_kv, n, c + 1), the liveness channel c at 0 (a
-        subclass may compute them in fewer ops)."""
-        keys = widen(self.score_keys(layer, k))  # (b, hk, n, c)
-        out[..., :-1].copy_(keys.reshape(out.shape[0], -1, keys.shape[-1]))
-        out[..., -1].zero_()
-
-    def attend_gathered(self, session, layer, q, store, index, valid):
-        """A static step attends the gathered rows with its selection's keep (the valid ranks, then the current
-        token) as the mask, and records its statistics from the runtime's counts: no mask over the past."""
-        if not self.static_step(session, layer):
-            return super().attend_gathered(session, layer, q, store, index, valid)
-        self.before_step(session, layer, store)  # the current token's partial key, for the next step's selection
-        keys, values = store.gathered.kv()  # (b, hk, W + 1, d)
-        out = attend_rows(q, keys, values, self._keep[layer.index], layer.logit_scale)
-        n = store.gathered.counts  # (b, hk)
-        self.stats.add(layer.index, "kv_fraction", n, offset=1, scale=1 / (full_past(layer, store.seen - 1) + 1))
-        self.stats.add(layer.index, "selected", n[:, :1])
-        # after_step has nothing else to do here: no pool evicts, and recall needs every key (decode mode only)
+    def attend_selected(self, session, layer, q, store, keep):
+        """current_token="ranked" (keep covers the current token too): attention over the selection, or over every
+        entry when it is empty (as the artifact's additive mask makes it), then the step's statistics."""
+        if keep.shape[-1] != store.stored:
+            return super().attend_selected(session, layer, q, store, keep)
+        self.before_step(session, layer, store)
+        window = in_window(layer, store, store.seen - 1)  # (b, hk, s) or None
+        everything = keep.new_ones(()) if window is None else window
+        empty = ~keep.any(-1, keepdim=True)  # (b, hk, 1)
+        attended = keep | (empty & everything)  # (b, hk, s)
+        keys, values = store.kv()
+        out, _ = attend(q, keys, values, attended[:, :, None], layer.logit_scale,
+                        shift=empty.to(q.dtype) * EMPTY_SHIFT)
+        full = full_past(layer, store.seen - 1) + 1
+        self.stats.add(layer.index, "kv_fraction", attended.sum(-1), scale=1 / full)
+        self.record_kept(layer, keep.sum(-1), full)
+        self.after_step(session, layer, q, store, keep, attended)
         return out
 
     def before_step(self, session, layer, store):
         self.sync_store(session, layer, store)
 
-    def after_step(self, session, layer, q, store, keep):
-        past, position = keep.shape[-1], store.seen - 1
+    def after_step(self, session, layer, q, store, keep, attended=None):
+        """keep: the selection over the past (b, hk, past), or past + the current token (current_token="ranked",
+        whose `attended` mask then says what the row attended)."""
+        past, position = store.stored - 1, store.seen - 1
         self.stats.add(layer.index, "selected", keep[:, :1].sum(-1))
         if self.track_recall and store.keys is not None:  # needs every key: decode mode only
             keys = store.kv()[0]
-            mask = torch.cat([keep, keep.new_ones(*keep.shape[:2], 1)], dim=-1)[:, :, None]  # (b, hk, 1, s)
+            if attended is None:
+                attended = torch.cat([keep, keep.new_ones(*keep.shape[:2], 1)], dim=-1)
+            mask = attended[:, :, None]  # (b, hk, 1, s)
             self._record_recall(layer, q, keys, torch.ones_like(mask), mask)
         limit = self.pool_size(session)
         if limit is None:  # nothing is ever evicted: no counter to keep
             return
-        store.entries["count"][..., :past] += keep
-        store.entries["last"][..., :past].masked_fill_(keep, position)
+        fetched = keep[..., :past]
+        store.entries["count"][..., :past] += fetched
+        store.entries["last"][..., :past].masked_fill_(fetched, position)
         if store.stored > limit:
             self._evict_store(store, store.stored - limit)
 

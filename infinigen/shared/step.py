@@ -23,10 +23,14 @@ its last position, whatever this step's limit: the shapes are the same every ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from infinigen.adapter import KVStore
+from infinigen.attention import attend_rows, score_dtype, widen
+from infinigen.rows import full_past
 from infinigen.shared.select_evict import reduce_query_heads
 
 BIG = torch.iinfo(torch.long).max  # a threshold no count reaches
@@ -137,3 +141,103 @@ class CapturedSelection:
             return self.fn(self.x)
         self.graph.replay()
         return self.out
+
+
+class StaticStep:
+    """The static decode step of a selective-attention method (`SelectiveAttention`, which mixes it in): where it
+    applies (`static_step`), its buffers, its selection through `select_step` and its attention over the gathered
+    rows. Both paths select the same entries (tests/test_infinigen_step.py)."""
+
+    def static_step(self, session, layer) -> bool:
+        """Whether `layer`'s decode steps select through `step.select_step`, over buffers allocated once per store
+        (`StepBuffers`) with the same shapes every step: where entry n stays entry n (a pool that never evicts), no
+        window moves over the candidates (a global layer) and the longest sequence is known (the buffers' length).
+        The rest take the general path (`_rank_step`); both select the same entries (tests/test_infinigen_step.py)."""
+        return (session.mode == "decode" and session.max_len > 0 and layer.sliding_window is None
+                and self.pool_size(session) is None
+                and (self.budget_of, self.threshold_head, self.current_token) == ("prefix", "own", "kept"))
+
+    def step_buffers(self, session, layer, store: KVStore) -> StepBuffers:
+        """The layer's static partial key cache: the tensor is per-entry state of the store (`entries`, its first
+        `state["step_written"]` rows written: a store reset drops it, a beam reorder moves its rows with the batch,
+        and the runtime counts its bytes), its views here, rebuilt when the tensor was replaced."""
+        b, hk = store.positions.shape[:2]
+        keys = store.entries.get("step_keys")
+        if keys is None or keys.shape[0] != b:
+            keys = store.entries["step_keys"] = StepBuffers.new(
+                b, hk, session.max_len, int(self.score_channels(layer)), score_dtype(layer.q_proj.weight.dtype),
+                store.positions.device)
+            store.state["step_written"] = 0
+        views = self._views.get(layer.index)
+        if views is None or views.keys is not keys:
+            views = self._views[layer.index] = StepBuffers(keys)
+        return views
+
+    def static_select(self, session, layer, q, store, past, position) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, valid), each (b, h_kv, W), W = `max_selected` of the longest sequence: the ranks below the row's
+        count and budget cap are valid (host ints set the cap; nothing is read back)."""
+        buf = self.step_buffers(session, layer, store)
+        if store.state["step_written"] != past:
+            raise RuntimeError(f"layer {layer.index}: {store.state['step_written']} partial keys written, the row "
+                               f"ranks {past} entries")
+        b, hk = buf.keys.shape[:2]
+        width = self.max_selected(session.max_len)
+        thr = self.step_thresholds(self._width(session, layer, past, position), (b, hk, width + 1), layer.num_heads,
+                                   buf.keys.device)
+        index, keep = self.step_select(session, layer, q, buf, thr, width)
+        self._keep[layer.index] = keep
+        return index, keep[..., :width]
+
+    def step_select(self, session, layer, q, buf: StepBuffers, thr: torch.Tensor, width: int):
+        """`select_step` of this layer's query: the top-`width` index and keep."""
+        return select_step(self.step_query(session, layer, q), buf.keys_t, buf.live, thr, alpha=self.alpha,
+                           width=width, batch=buf.keys.shape[0], reduce=self.gqa_reduce)
+
+    def step_thresholds(self, limit: int, shape, heads: int, device) -> torch.Tensor:
+        """The (width + 1,) thresholds of `step.thresholds` viewed as `shape` (b, h_kv, width + 1), one buffer per
+        shape, rewritten in place (a captured graph reads it) only when the row's cap changes (every 1 / budget
+        positions); heads: the layer's query heads."""
+        finite = not math.isinf(self.alpha)
+        key = (tuple(shape), heads, finite, device)
+        entry = self._thresholds.get(key)
+        if entry is None:
+            t = thresholds(limit, shape[-1] - 1, heads, finite, device)
+            entry = self._thresholds[key] = [limit, t, t.expand(*shape)]
+        elif entry[0] != limit:
+            entry[1].copy_(thresholds(limit, shape[-1] - 1, heads, finite, device))
+            entry[0] = limit
+        return entry[2]
+
+    def step_query(self, session, layer, q) -> torch.Tensor:
+        """(b*h_kv, g, c + 1) in the score dtype: `score_queries` scaled by the logit scale, then the constant channel
+        the static keys' liveness channel is dotted with (a subclass may compute it in fewer ops)."""
+        qs = widen(self.score_queries(session, layer, q) * layer.logit_scale)  # (b, hk, g, 1, c)
+        b, hk, g = qs.shape[:3]
+        key = (b * hk, g, qs.dtype, qs.device)
+        if key not in self._ones:
+            self._ones[key] = torch.ones(b * hk, g, 1, dtype=qs.dtype, device=qs.device)
+        return torch.cat([qs.reshape(b * hk, g, -1), self._ones[key]], dim=-1)
+
+    def step_keys(self, layer, k: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes the score keys of k (b, h_kv, n, d) into out (b*h_kv, n, c + 1), the liveness channel c at 0 (a
+        subclass may compute them in fewer ops)."""
+        keys = widen(self.score_keys(layer, k))  # (b, hk, n, c)
+        out[..., :-1].copy_(keys.reshape(out.shape[0], -1, keys.shape[-1]))
+        out[..., -1].zero_()
+
+    def attend_gathered(self, session, layer, q, store, index, valid):
+        """A static step attends the gathered rows with its selection's keep (the valid ranks, then the current
+        token) as the mask, and records its statistics from the runtime's counts: no mask over the past."""
+        if not self.static_step(session, layer):
+            return super().attend_gathered(session, layer, q, store, index, valid)
+        self.before_step(session, layer, store)  # the current token's partial key, for the next step's selection
+        keys, values = store.gathered.kv()  # (b, hk, W + 1, d)
+        out = attend_rows(q, keys, values, self._keep[layer.index], layer.logit_scale)
+        n = store.gathered.counts  # (b, hk)
+        full = full_past(layer, store.seen - 1) + 1
+        self.stats.add(layer.index, "kv_fraction", n, offset=1, scale=1 / full)
+        self.record_kept(layer, n, full, offset=1)
+        self.stats.add(layer.index, "selected", n[:, :1])
+        # after_step has nothing else to do here: no pool evicts, and recall needs every key (decode mode only)
+        return out
+
