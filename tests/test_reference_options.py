@@ -159,3 +159,21 @@ def test_a_gqa_model_with_its_kv_heads_repeated_gives_the_same_logits(tmp_path):
     reloaded, _ = adapter.load(model_cfg("tiny-llama-gqa", random_init=False, local_path=str(tmp_path)))
     with torch.inference_mode():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_a_fraction_of_the_sequence_needs_the_sequence_length():
+    """budget_of="sequence" in decode mode is a fraction of max_len: direct forwards without one are refused by name;
+    model.generate inside apply sets it."""
+    import infinigen
+
+    model, tok = load_model("tiny-llama")
+    ids = sample_ids("tiny-llama", 24)
+    for name in ("infinigen_reference", "h2o_reference"):
+        method = method_from_conf(name, **({"cache_dir": None} if name.startswith("infinigen") else {}))
+        with infinigen.apply(model, method, tokenizer=tok) as cache, torch.inference_mode():
+            with pytest.raises(ValueError, match="budget_of='sequence' is a fraction of the longest sequence"):
+                model(ids[:, :20], cache=cache, use_cache=True)  # the prefill, then one decoded token
+                model(ids[:, 20:21], cache=cache, use_cache=True, position_ids=torch.tensor([[20]]))
+        with infinigen.apply(model, method, tokenizer=tok), torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert out.shape[1] == 28
