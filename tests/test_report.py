@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 
 from analysis import columns, figures, report, speed, store
+from analysis import paired as P
 from analysis.report import compose, matching, render
+from analysis.report.compose import REFERENCE
 from analysis.report import recommended
 from analysis.report.section import Contrast, across, on_model
 from analysis.report.sections import c1_accuracy, c2_baselines, c6_ablation, gemma3_speed, sim_cost, successors
@@ -146,20 +148,38 @@ def test_export_where_reads_dotted_paths_and_numbers(tmp_path):
 # ----------------------------------------------------------------------------------------------- every section
 
 
-def method_names() -> dict[str, str]:
+def method_presets() -> dict[str, list[tuple[str, dict]]]:
+    """conf/method's presets by the class path a composed config carries (a moved class's as its rows were hashed,
+    infinigen/semantic.py): several presets may name one class (infinigen and infinigen_reference, h2o and
+    h2o_reference)."""
     import yaml
 
     from infinigen.semantic import MOVED_TARGETS
 
-    # by the class path a composed config carries: a moved class's as its rows were hashed (infinigen/semantic.py)
-    return {MOVED_TARGETS.get(target, target): p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")
-            for target in [yaml.safe_load(p.read_text())["_target_"]]}
+    out: dict[str, list[tuple[str, dict]]] = {}
+    for p in sorted((ROOT / "conf" / "method").glob("*.yaml")):
+        preset = yaml.safe_load(p.read_text())
+        out.setdefault(MOVED_TARGETS.get(preset["_target_"], preset["_target_"]), []).append((p.stem, preset))
+    return out
+
+
+def method_name(method: dict, presets: dict[str, list[tuple[str, dict]]]) -> str:
+    """The conf/method preset a composed method config came from, as run.py names its rows: of the presets of its
+    class, the one whose literal values it differs from in the fewest keys (a key a semantic config leaves out is
+    at its neutral value, infinigen/semantic.py)."""
+    from infinigen.semantic import LATER_METHOD_OPTIONS
+
+    def differs(preset: dict) -> int:
+        return sum(1 for k, v in preset.items() if k != "_target_" and not (isinstance(v, str) and "${" in v)
+                   and method.get(k, LATER_METHOD_OPTIONS.get(k)) != v)
+
+    return min(presets[method["_target_"]], key=lambda named: (differs(named[1]), named[0]))[0]
 
 
 def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dict]:
     """Plausible metrics of a run: kv_fraction from the method's size, a loss growing as it shrinks."""
     kv = {"full": 1.0, "quant": 1.0, "kivi": 1.0, "offload": 1.0, "streaming": params.get("recent", 0.2),
-          "h2o": params.get("heavy", 0.1) + params.get("recent", 0.1)}.get(method)
+          "h2o": params.get("heavy", 0.1) + params.get("recent", 0.1)}.get(method.removesuffix("_reference"))
     alpha = params.get("alpha", 0) if params.get("alpha", 0) < 100 else 0  # the oracle's is inf
     kv = kv if kv is not None else min(1.0, 1.3 * params.get("budget", 0.2) + 0.01 * alpha)
     kv *= 0.9 if params.get("capacity", 1.0) < 1 else 1.0
@@ -205,12 +225,12 @@ def synthetic_metrics(method: str, params: dict, task: dict, i: int) -> list[dic
 
 def synthetic_store(path: Path, keep=lambda i: True) -> None:
     """One run per configuration the report's commands compose today, of those whose index `keep` accepts."""
-    names = method_names()
+    presets = method_presets()
     commands = {c for section in report.discover() for c in section.commands}
     for i, text in enumerate(sorted({t for c in commands for t in compose.composed(c)})):
         config = json.loads(text) | {"data_dir": "/data", "results_dir": "results", "force": False,
                                      "logger": {"backends": []}}
-        method = names[config["method"]["_target_"]]
+        method = method_name(config["method"], presets)
         params = {k: v for k, v in config["method"].items() if k != "_target_"}
         digest = f"{i:016x}"
         rows = [{"config_hash": digest, "model": config["model"]["name"], "method": method,
@@ -280,15 +300,17 @@ def test_memory_rows_of_bench_memory_give_the_slope(tmp_path):
 
 
 def ppl_run(path: Path, digest: str, method: str, params: dict, ppl: float, kv: float = 1.0, threads: int = 1,
-            wall_s: float = 105.0, model: str = "smollm2-135m", windows: int = 1) -> None:
-    """A ppl run's row; over several windows each window's NLL varies by +-1% around the run's (paired units)."""
+            wall_s: float = 105.0, model: str = "smollm2-135m", windows: int = 1, density: float | None = None) -> None:
+    """A ppl run's row; over several windows each window's NLL varies by +-1% around the run's (paired units);
+    `density`: the kept fraction on the artifact's axis (metrics.stats)."""
     nll = [math.log(ppl) * 1023 * (1 + 0.01 * ((w % 3) - 1)) for w in range(windows)]
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": model, "method": method, "task": "ppl",
         "method_params": {"name": method, **params},
         "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 1024, "max_windows": windows},
         "metrics": {"ppl": ppl, "kv_fraction": kv, "windows": windows, "seq_len": 1024,
-                    "units": {"id": [1024 * w for w in range(windows)], "nll": nll, "tokens": [1023] * windows}},
+                    "units": {"id": [1024 * w for w in range(windows)], "nll": nll, "tokens": [1023] * windows}}
+        | ({"stats": {"density": density}} if density is not None else {}),
         "config": {}, "meta": {"device": "cpu", "threads": threads, "wall_s": wall_s, "load_s": 5.0}}])
 
 
@@ -381,16 +403,34 @@ CLAIMS = ("c1_accuracy", "c2_baselines", "c3_position", "c4_skewing", "c5_evicti
 LEAD = f"at the recommended setting for smollm2-135m ({recommended.describe(recommended.LLAMA)}"
 
 
-def first_lines(text: str) -> dict[str, str]:
-    """Each section's first verdict line (the first bullet under its "Verdict" heading) in a results.md."""
+# the claims that lead with the authors' semantics (The authors' code), their lines at the harness's own variant after
+AUTHORS_FIRST = ("c1_accuracy", "c2_baselines")
+
+
+def verdict_lines(text: str) -> dict[str, list[str]]:
+    """Each section's verdict lines (the bullets under its "Verdict" heading) in a results.md."""
     titles = {s.title: s.slug for s in report.discover()}
     out = {}
     for chunk in text.split("\n## ")[1:]:
         title, _, body = chunk.partition("\n")
         verdict = body.split("**Verdict (computed from the store):**", 1)
         if title in titles and len(verdict) == 2:
-            out[titles[title]] = next(line.removeprefix("* ") for line in verdict[1].splitlines() if line.strip())
+            lines = verdict[1].strip().split("\n\n", 1)[0].splitlines()
+            out[titles[title]] = [line.removeprefix("* ") for line in lines if line.strip()]
     return out
+
+
+def first_lines(text: str) -> dict[str, str]:
+    """Each section's first verdict line (the first bullet under its "Verdict" heading) in a results.md."""
+    return {slug: lines[0] for slug, lines in verdict_lines(text).items()}
+
+
+def leading_lines(text: str) -> dict[str, str]:
+    """Each claim's first verdict line at the harness's own setting: its first line, or for the claims stated at the
+    authors' semantics first (C1, C2), their first line beyond the paper, without that label."""
+    beyond = f"{recommended.BEYOND} "
+    return {slug: next((line.removeprefix(beyond) for line in lines if line.startswith(beyond)), lines[0])
+            if slug in AUTHORS_FIRST else lines[0] for slug, lines in verdict_lines(text).items()}
 
 
 def at_a_setting_other_than_recommended(line: str) -> list[str]:
@@ -407,17 +447,24 @@ def at_a_setting_other_than_recommended(line: str) -> list[str]:
 def test_every_claim_leads_with_the_recommended_setting(regenerated, tmp_path):
     """The committed store (where several claims have no rows at the recommended setting yet: their first line says
     so and names the command) and a store holding every config (where each claim has them): every claim's first
-    verdict line is at the recommended setting, and none names another setting."""
+    verdict line at the harness's own setting is at the recommended setting, and none names another setting; C1 and
+    C2 state the claim at the authors' semantics before it (issue 61), that line beyond the paper."""
     synthetic_store(tmp_path / "store")
-    full = first_lines((regenerate(tmp_path / "gen", tmp_path / "store", figures=False) / "results.md").read_text())
-    committed = first_lines((regenerated / "results.md").read_text())
-    for store_name, lines in (("committed", committed), ("synthetic", full)):
+    texts = {"committed": (regenerated / "results.md").read_text(),
+             "synthetic": (regenerate(tmp_path / "gen", tmp_path / "store", figures=False) / "results.md").read_text()}
+    for store_name, text in texts.items():
+        first, lead = first_lines(text), leading_lines(text)
         for slug in CLAIMS:
-            line = lines[slug]
+            line = lead[slug]
             assert line.startswith(LEAD) or line.startswith("not computed"), f"{store_name} {slug}: {line}"
             assert at_a_setting_other_than_recommended(line) == [], f"{store_name} {slug}: {line}"
-    measured = [slug for slug in CLAIMS if "not in the store yet" not in full[slug]]
+            if slug in AUTHORS_FIRST:
+                assert first[slug].startswith(f"{recommended.AUTHORS} on smollm2-135m ("), f"{store_name} {slug}"
+                assert first[slug] != line, f"{store_name} {slug}: no line beyond the paper"
+    full, lead = first_lines(texts["synthetic"]), leading_lines(texts["synthetic"])
+    measured = [slug for slug in CLAIMS if "not in the store yet" not in full[slug] + lead[slug]]
     assert measured == list(CLAIMS), "with every config stored, each claim leads with a measurement"
+    committed = leading_lines(texts["committed"])
     assert "not in the store yet" not in committed["c1_accuracy"] + committed["c2_baselines"]
 
 
@@ -478,8 +525,12 @@ def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_
                 kv=0.17, model=model, windows=16)
     rows = matching.load(tmp_path)
     lines = render.verdict(c1_accuracy.SECTION, rows)
-    assert lines[0].startswith(LEAD) and "kv 17% x1.014" in lines[0] and ": holds (" in lines[0], lines
-    gemma = [line for line in lines if line.startswith("at the recommended setting for gemma3-270m")]
+    # no row at the authors' semantics: its line first, naming the command that adds them; the harness's next
+    assert lines[0].startswith(f"{recommended.AUTHORS} on smollm2-135m (") and "not in the store yet" in lines[0] \
+        and "method=infinigen_reference method.budget=0.1,0.2,0.3,0.4,0.6`" in lines[0], lines
+    assert lines[1].startswith(f"{recommended.BEYOND} {LEAD}") and "kv 17% x1.014" in lines[1] \
+        and ": holds (" in lines[1], lines
+    gemma = [line for line in lines if line.startswith(f"{recommended.BEYOND} at the recommended setting for gemma3")]
     assert len(gemma) == 1 and "kv 17% x2.998" in gemma[0] and "does not hold" in gemma[0], lines
     assert lines[-1].startswith("across models, InfiniGen's (recommended) perplexity over full's") \
         and lines[-1].endswith("smollm2-135m 1.01 (holds), gemma3-270m 3 (does not hold): the models disagree (holds "
@@ -491,9 +542,12 @@ def test_a_per_model_claim_gives_verdicts_tables_and_figures_per_model_and_says_
         "c1_accuracy", "c1_accuracy_gemma3-270m"]
     one = rows[rows["model"] == "smollm2-135m"]  # one model: the section as before, no prefix, no contrast
     assert render.verdict(c1_accuracy.SECTION, one) == c1_accuracy.c1_verdict(one)
-    summary = dict((model, st.verdict) for model, st in render.statuses(c1_accuracy.SECTION, rows)
-                   if st.claim.startswith("C1: perplexity"))
-    assert summary == {"smollm2-135m": "holds", "gemma3-270m": "does not hold"}
+    summary = [(model, st.claim.split(" (", 1)[1], st.verdict) for model, st in
+               render.statuses(c1_accuracy.SECTION, rows) if st.claim.startswith("C1: perplexity")]
+    assert summary == [("smollm2-135m", "the authors' semantics)", "not measured"),
+                       ("smollm2-135m", "the harness's variant, beyond the paper)", "holds"),
+                       ("gemma3-270m", "the authors' semantics)", "not measured"),
+                       ("gemma3-270m", "the harness's variant, beyond the paper)", "does not hold")]
     held = [("smollm2-135m", [Contrast("gap ratio", 2.0, True)]), ("gemma3-270m", [Contrast("gap ratio", 0.5, False)])]
     assert across(held) == ["across models, gap ratio: smollm2-135m 2 (holds), gemma3-270m 0.5 (does not hold): "
                             "the models disagree (holds on smollm2-135m only)"]
@@ -613,3 +667,159 @@ def test_a_section_is_one_module_found_by_its_order(tmp_path, monkeypatch):
     (package / "clash.py").write_text(body.format(slug="clash", order=10))
     with pytest.raises(ValueError, match="share the order"):
         report.discover()
+
+
+# ----------------------------------------------------------------------------------------------- the authors' code
+
+
+def authors_run(path: Path, digest: str, command: str, nll: list[float], kv: float, density: float | None) -> None:
+    """The row a command's (one) job writes: its composed config, each window's summed NLL, kv_fraction and the
+    kept fraction on the artifact's axes (density, retain) where given."""
+    config = compose.jobs(command)[0]
+    method = method_name(config["method"], method_presets())
+    t, windows = config["task"]["seq_len"], len(nll)
+    stats = {} if density is None else {"density": density, "retain": 1 - math.sqrt(1 - density)}
+    store.append_rows(path, digest, [{
+        "config_hash": digest, "model": config["model"]["name"], "method": method, "task": "ppl",
+        "method_params": {"name": method, **{k: v for k, v in config["method"].items() if k != "_target_"}},
+        "task_params": config["task"], "config": config,
+        "metrics": {"ppl": math.exp(sum(nll) / (windows * (t - 1))), "kv_fraction": kv, "windows": windows,
+                    "seq_len": t, "units": {"id": [t * w for w in range(windows)], "nll": nll,
+                                            "tokens": [t - 1] * windows}, "stats": stats},
+        "meta": {"git_commit": "0" * 40, "device": "cpu", "threads": 2}}])
+
+
+def test_the_authors_code_sets_the_artifact_beside_the_reference_and_names_each_missing_run(tmp_path):
+    """The section "The authors' code" (issue 61) from a few rows: per model the artifact's perplexity and kept
+    fraction (from the golden files: density over the recorded layers, every head and window; retain = 1 -
+    sqrt(1 - density)) beside the reference setting's and the harness's variant's, each missing run named by the
+    overrides that add it (and its command in the Missing list); the artifact's side shows with no row at all."""
+    from analysis.report.sections import authors_code as A
+
+    gold = json.loads((REFERENCE / "smollm2_mha_2048.json").read_text())
+    runs = gold["runs"]
+    ref, variant = "method=infinigen_reference method.alpha=5.2 method.budget=0.2", \
+        f"method=infinigen method.alpha=5.2 method.budget=0.2 {A.VARIANT}"
+    base = runs["2048/infinigen_a5.2_b0.2"]["window_nll"]
+    authors_run(tmp_path, "1" * 16, A.command(A.SMOLLM2, "method=full"), runs["2048/full"]["window_nll"], 1.0, None)
+    authors_run(tmp_path, "2" * 16, A.command(A.SMOLLM2, ref), [x * 1.001 for x in base], 0.3, 0.15)
+    authors_run(tmp_path, "3" * 16, A.command(A.SMOLLM2, variant), [x * 1.05 for x in base], 0.25, 0.2)
+    flipped = f"{ref} method.budget_of=prefix"
+    authors_run(tmp_path, "4" * 16, A.command(A.SMOLLM2, flipped), [x * (1.02 + 0.01 * (w % 2))
+                                                                       for w, x in enumerate(base)], 0.28, 0.14)
+    rows = matching.match(matching.load(tmp_path), A.SECTION.commands).rows
+    assert rows["method"].tolist() == ["full", "infinigen_reference", "infinigen", "infinigen_reference"]
+
+    table = A.comparison(rows, REFERENCE, A.SMOLLM2).set_index(["method", "setting"])
+    point = table.loc[("InfiniGen", "alpha 5.2, budget 0.2")]
+    kept = runs["2048/infinigen_a5.2_b0.2"]["kept"]
+    density = sum(map(sum, kept.values())) / (28 * 9 * 4 * 2048 * 2049 / 2)  # layers 2-29, 9 heads, 4 windows
+    assert point["artifact ppl"] == pytest.approx(math.exp(sum(base) / (4 * 2047)))
+    assert point["artifact density (%)"] == pytest.approx(100 * density)
+    assert point["artifact retain (%)"] == pytest.approx(100 * (1 - math.sqrt(1 - density)))
+    assert point["reference vs artifact (%)"] == pytest.approx(100 * (math.exp(0.001 * sum(base) / (4 * 2047)) - 1))
+    assert (point["reference kv_fraction (%)"], point["reference density (%)"]) == pytest.approx((30, 15))
+    assert point["variant ppl"] == pytest.approx(math.exp(1.05 * sum(base) / (4 * 2047)))
+    assert point["not in the store yet (its method overrides)"] == ""
+    full = table.loc[("full", "")]
+    assert (full["artifact density (%)"], full["reference density (%)"], full["reference vs artifact (%)"]) == \
+        pytest.approx((100, 100, 0))
+    missing = table.loc[("InfiniGen", "alpha 4, budget 0.2"), "not in the store yet (its method overrides)"]
+    assert missing == ("`method=infinigen_reference method.alpha=4.0 method.budget=0.2`; "
+                       f"`method=infinigen method.alpha=4.0 method.budget=0.2 {A.VARIANT}`")
+    assert table.loc[("H2O", "heavy = recent = 0.01875"), "artifact ppl"] == pytest.approx(
+        math.exp(sum(runs["2048/h2o_0.01875"]["window_nll"]) / (4 * 2047)))
+
+    flips = A.flips(rows).set_index(["method", "option flipped"])
+    effect = P.perplexity_ratio(rows.iloc[3]["metrics.units"], rows.iloc[1]["metrics.units"])
+    assert flips.loc[("InfiniGen", "budget_of: sequence -> prefix"), "x reference (95% paired interval)"] == \
+        f"x{effect.value:.3f} ({effect.low:.3f}-{effect.high:.3f})"
+    assert flips.loc[("InfiniGen", "threshold_head: first -> own"), "not in the store yet"] == \
+        f"`{ref} method.threshold_head=own`"
+
+    lines = A.verdict(rows, REFERENCE)
+    # NLL x 1.001: perplexity x exp(0.001 x 3.38 nats per token)
+    assert lines[0] == ("smollm2-135m (multi-head, 4 x 2,048 tokens, float32): the reference settings' perplexity is "
+                        "within 0.34% of the artifact's on 2 of 6 runs (largest: InfiniGen alpha 5.2, budget 0.2 "
+                        "+0.338%), their density within 0.97 points of the artifact's; the harness's own variants: "
+                        "perplexity +18.4% to +18.4% from the artifact's (1 of 5 runs); 4 setting(s) with runs not in "
+                        "the store yet (the table's last column)"), lines[0]
+    assert lines[1].startswith("tiny-opt (2 x 1,024 tokens, float64): the reference settings are not in the store "
+                               "yet"), lines[1]
+    assert lines[2].startswith("each difference alone (SmolLM2-135M multi-head, 4 x 2,048 tokens), perplexity over "
+                               f"the reference's (95% paired interval over the windows): InfiniGen budget_of=prefix "
+                               f"x{effect.value:.3f}") and lines[2].endswith("(8 not in the store yet)"), lines[2]
+
+    out = tmp_path / "docs"
+    section = report.with_reference(A.SECTION, REFERENCE)
+    text = render.section_text(section, matching.match(matching.load(tmp_path), section.commands),
+                               render.verdict(section, rows), out, "report", figures=False)
+    assert text.startswith("## The authors' code\n") and render.anchor(A.SECTION.title) == "the-authors-code"
+    assert "4 of 31 configs in the store" in text
+    assert f"* 1 config(s) of `{A.command(A.SMOLLM2, 'method=infinigen_reference method.alpha=4.0 method.budget=0.2')}`" \
+        in text
+    smollm2, rest = text.split("**SmolLM2-135M made multi-head", 1)[1].split("**tiny-opt", 1)
+    assert "with its own six-sentence partial-weight calibration prompt" in smollm2
+    assert smollm2.index("| InfiniGen | alpha 5.2, budget 0.2 |") < smollm2.index("six-sentence")
+    assert "tests/test_reference.py (float64, 256-token windows: perplexity within 0.1%, kept entries within 1%, " \
+        "kept sets identical on >= 99.9% of rows)" in text and "[reference.md](reference.md)" in text
+    # an empty store: the artifact's columns, every run named
+    empty = render.section_text(section, matching.match(matching.load(tmp_path / "none"), section.commands),
+                                ["none"], out, "report", figures=False)
+    assert "| full |  | 24.15 | 100 | 100 | `method=full` |" in empty
+    assert "| H2O | heavy = recent = 0.1 | 499.4 | 35.86 | 19.91 | `method=h2o_reference method.heavy=0.1 " \
+           "method.recent=0.1`; `method=h2o method.heavy=0.1 method.recent=0.1` |" in empty
+
+
+def test_the_reports_second_input_is_the_reference_folder(tmp_path, monkeypatch):
+    """`--reference` names the golden values' folder (default tests/data/reference): the section reads it, no other."""
+    seen = {}
+    monkeypatch.setattr(report, "report", lambda *args, **kw: seen.update(args=args, kw=kw))
+    report.main(["--store", str(tmp_path), "--out", str(tmp_path / "out"), "--readme", ""])
+    assert Path(seen["kw"]["reference"]) == REFERENCE == ROOT / "tests" / "data" / "reference"
+    report.main(["--store", str(tmp_path), "--out", str(tmp_path / "out"), "--readme", "", "--reference", "elsewhere"])
+    assert seen["kw"]["reference"] == "elsewhere"
+    assert [s.slug for s in report.discover() if s.reference] == ["authors_code"]
+
+
+def test_c1_and_c2_state_each_claim_at_the_authors_semantics_first(tmp_path):
+    """C1 and C2 (issue 61): the line at the authors' semantics (infinigen_reference against full, and against
+    h2o_reference at the same kv_fraction, paired over 16 windows, density beside kv_fraction) first, then the
+    harness's variant, beyond the paper (here: not in the store yet); the summary lists both, the authors' first."""
+    ppl_run(tmp_path, "0" * 16, "full", {}, 14.0, windows=16)
+    ref = {"skip_layers": 2, "alpha": 5.0, "partial_ratio": 0.2, "speculate_from": "previous", "budget_of": "sequence"}
+    for i, (budget, ppl, kv, density) in enumerate(((0.1, 16.0, 0.2, 0.1), (0.2, 14.5, 0.3, 0.19),
+                                                     (0.3, 14.2, 0.4, 0.28))):
+        ppl_run(tmp_path, f"a{i}".ljust(16, "0"), "infinigen_reference", ref | {"budget": budget}, ppl, kv=kv,
+                windows=16, density=density)
+    for i, (r, ppl, kv, density) in enumerate(((0.05, 20.0, 0.25, 0.1), (0.1, 15.5, 0.35, 0.2))):
+        ppl_run(tmp_path, f"b{i}".ljust(16, "0"), "h2o_reference", {"heavy": r, "recent": r}, ppl, kv=kv, windows=16,
+                density=density)
+    rows = matching.load(tmp_path)
+    authors = (f"{recommended.AUTHORS} on smollm2-135m (`method=infinigen_reference`, the InfiniGen artifact's "
+               "algorithm with skip_layers 2, alpha 5, partial_ratio 0.2; [The authors' code](#the-authors-code)): ")
+    c1 = render.verdict(c1_accuracy.SECTION, rows)
+    assert c1[0].startswith(authors + "WikiText-2, 16 windows of 1,024 tokens, perplexity over full's with its 95% "
+                            "paired interval: kv 20% (density 10%) x1.143 ("), c1[0]
+    assert "kv 30% (density 19%) x1.036 (" in c1[0] and "kv 40% (density 28%) x1.014 (" in c1[0], c1[0]
+    assert c1[0].endswith("within 5% of full's perplexity at kv_fraction >= 10%: does not hold (holds from "
+                          "kv_fraction 30% on)"), c1[0]
+    assert c1[1].startswith(f"{recommended.BEYOND} {LEAD}") and "not in the store yet" in c1[1], c1[1]
+    c2 = render.verdict(c2_baselines.SECTION, rows)
+    assert c2[0].startswith(authors.replace("`method=infinigen_reference`", "`method=infinigen_reference` vs "
+                                            "`method=h2o_reference`") + "WikiText-2, 16 windows, InfiniGen's "
+                            "perplexity over H2O's at the same kv_fraction (95% paired interval): vs H2O (0.05 + "
+                            "0.05) at 25% (density 10%): x0.762 ("), c2[0]
+    assert "InfiniGen interpolated): better; vs H2O (0.1 + 0.1) at 35% (density 20%): x0.926 (" in c2[0], c2[0]
+    assert c2[1].startswith(f"{recommended.BEYOND} {LEAD}") and "not in the store yet" in c2[1], c2[1]
+    summary = [(st.claim, st.verdict) for section in (c1_accuracy.SECTION, c2_baselines.SECTION)
+               for _, st in render.statuses(section, rows) if "perplexity" in st.claim]
+    assert summary == [
+        ("C1: perplexity within 5% of full's above 10% KV (the authors' semantics)", "does not hold"),
+        ("C1: perplexity within 5% of full's above 10% KV (the harness's variant, beyond the paper)", "not measured"),
+        ("C2: perplexity below H2O's at the same KV size (the authors' semantics)", "holds"),
+        ("C2: perplexity below H2O's at the same KV size (the harness's variant, beyond the paper)", "not measured"),
+        ("C2: perplexity below KV quantisation's at the same KV size (the harness's variant, beyond the paper)",
+         "not measured")]
+    number = render.statuses(c1_accuracy.SECTION, rows)[0][1].number
+    assert number.startswith("x1.143 (") and "at kv 20% (density 10%); holds from kv_fraction 30% on" in number

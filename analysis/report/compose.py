@@ -12,6 +12,8 @@ from pathlib import Path
 from infinigen.semantic import semantic_config
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (conf/ is read from it)
+# the golden values of the InfiniGen authors' code (docs/reference.md): the report's one input besides the store
+REFERENCE = ROOT / "tests" / "data" / "reference"
 
 
 def semantic(config: dict) -> str:

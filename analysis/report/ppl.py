@@ -21,6 +21,12 @@ PPL = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_w
 PPL16 = "python run.py -m model=smollm2-135m task=ppl task.seq_len=1024 task.max_windows=16"
 PAIRED = (f"{PPL16} method=full", f"{PPL16} method=infinigen method.budget=0.02,0.035,0.07,0.1,0.14,0.2,0.28",
           f"{PPL16} +point=h2o_0.03125,h2o_0.0625,h2o_0.1,h2o_0.125", f"{PPL16} method=quant method.bits=2,4")
+# C1 and C2 at the authors' semantics, on the same 16 windows beside full's row of PAIRED: InfiniGen and H2O as the
+# InfiniGen artifact computes them (conf/method/infinigen_reference.yaml, h2o_reference.yaml; docs/reference.md),
+# H2O's heavy + recent the same fractions of the sequence as InfiniGen's budgets
+AUTHORS_RATIOS = (0.05, 0.1, 0.15)
+AUTHORS = (f"{PPL16} method=infinigen_reference method.budget=0.1,0.2,0.3,0.4,0.6",
+           *(f"{PPL16} method=h2o_reference method.heavy={r} method.recent={r}" for r in AUTHORS_RATIOS))
 
 
 def versus(data: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
@@ -70,13 +76,16 @@ def at_size(rows: pd.DataFrame, x: float, column: str = "rel_kv") -> tuple[dict,
 
 
 def ppl_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """ppl rows with ppl, kv (measured kv_fraction), rel_kv (x bytes per entry vs 16 bits) and a curve label."""
+    """ppl rows with ppl, kv (measured kv_fraction), rel_kv (x bytes per entry vs 16 bits), density (kept entries
+    over the causal area of the layers the method selects on, the InfiniGen artifact's measure; NaN on rows stored
+    before it was recorded) and a curve label."""
     out = C.with_kv(C.of_task(rows, "ppl"))
     if out.empty:
-        return out.assign(ppl=[], kv=[], rel_kv=[], curve=[])
+        return out.assign(ppl=[], kv=[], rel_kv=[], density=[], curve=[])
     out["ppl"] = C.metric(out, "ppl")
     out["rel_kv"] = out["kv_pct"] / 100
     out["kv"] = out["rel_kv"] / C.bytes_ratio(out)
+    out["density"] = C.metric(out, "density")
     out["curve"] = C.curve_labels(out, C.size_params)
     return out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
-from analysis.report.section import num, on_model
+from analysis.report.section import num
 
 from infinigen.selected import KEYS, LLAMA, PAPER, SELECTED
 
@@ -152,3 +152,35 @@ def names(rows: pd.DataFrame) -> str:
     ranges = ", ".join(f"{k} {num(pd.to_numeric(values[k]).min())}-{num(pd.to_numeric(values[k]).max())}"
                        if k != "speculate_from" else f"{k} {'/'.join(sorted(set(values[k])))}" for k in varying)
     return f"{len(named)} settings ({ranges}; {describe(values.iloc[0], skip=tuple(varying))})"
+
+
+# C1 and C2 state each claim at the authors' semantics first (`method=infinigen_reference`, `method=h2o_reference`:
+# what the InfiniGen artifact computes; the section "The authors' code"), then the harness's own variant, beyond the
+# paper: its lines lead with BEYOND
+AUTHORS = "at the authors' semantics"
+BEYOND = "beyond the paper, the harness's variant (`method=infinigen`)"
+AUTHORS_CLAIM, BEYOND_CLAIM = "the authors' semantics", "the harness's variant, beyond the paper"
+
+
+def authors(rows: pd.DataFrame, what: str = "`method=infinigen_reference`") -> str:
+    """How a line at the authors' semantics opens: the rows' model (its InfiniGen reference rows' where it has
+    some), what runs and the artifact's knobs those rows ran with."""
+    gen = rows[rows["method"] == "infinigen_reference"] if "method" in rows else rows
+    model = (gen if not gen.empty else rows)["model"].value_counts().index[0]
+    gen = gen[gen["model"] == model]
+    knobs = ""
+    if not gen.empty:
+        values = setting(gen).iloc[0]
+        knobs = f" with skip_layers {num(float(values['skip_layers']))}, alpha {num(float(values['alpha']))}, " \
+                f"partial_ratio {num(float(values['partial_ratio']))}"
+    return f"{AUTHORS} on {model} ({what}, the InfiniGen artifact's algorithm{knobs}; [The authors' code](#the-authors-code))"
+
+
+def authors_missing(rows: pd.DataFrame, *commands: str, what: str = "`method=infinigen_reference`") -> str:
+    """A line at the authors' semantics when the store has none of its rows: the commands that add them (those for
+    the rows' model)."""
+    model = rows["model"].value_counts().index[0]
+    commands = tuple(c for c in commands if f"model={model}" in c.split(" ")) or commands
+    verb = "adds" if len(commands) == 1 else "add"
+    return (f"{AUTHORS} on {model} ({what}, the InfiniGen artifact's algorithm; [The authors' code](#the-authors-code)): "
+            f"not in the store yet ({' and '.join(f'`{c}`' for c in commands)} {verb} them)")

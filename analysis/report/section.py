@@ -32,7 +32,9 @@ class Section:
     title: str
     claim: str  # what the paper (or the finding) says, in words
     commands: tuple[str, ...]
-    table: Callable[[pd.DataFrame], pd.DataFrame | list[pd.DataFrame]]  # one table, or several one after another
+    # one table, or several one after another (a str among them, outside a per-model section: a paragraph of its
+    # own between two tables)
+    table: Callable[[pd.DataFrame], pd.DataFrame | list[pd.DataFrame | str]]
     verdict: Callable[[pd.DataFrame], list[str]]
     figure: Callable[[pd.DataFrame], Figure] | None = None
     note: str = ""
@@ -49,6 +51,10 @@ class Section:
     audit: Callable[[pd.DataFrame, pd.DataFrame], list[str]] | None = None
     # the claims the summary table lists for this section, from one model's rows (each model's, per_model)
     status: Callable[[pd.DataFrame], list["Status"]] | None = None
+    # a section that also reads the golden values of the authors' code (the report's second input, `--reference`,
+    # tests/data/reference): its table and verdict take that folder as `reference=`, and its tables show even
+    # while the store has none of its rows (the artifact's side is never missing)
+    reference: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pandas as pd
 
@@ -11,12 +10,17 @@ from analysis import like as L
 from analysis import paired as P
 from analysis.report import accuracy as A
 from analysis.report import recommended as R
-from analysis.report.ppl import COMPARED, PAIRED, at_size, full_ppl, matched_gaps, ppl_rows, ppl_table, ppl_vs_kv
+from analysis.report.ppl import (AUTHORS, COMPARED, PAIRED, at_size, full_ppl, matched_gaps, ppl_rows, ppl_table,
+                                 ppl_vs_kv)
 from analysis.report.section import Contrast, Section, Status, needs, num, on_every_model, signed
 from analysis.report.sections.c1_accuracy import (FIG11, FIG11_FULL, GEMMA3_FIG11, MIN_WINDOWS, PAIRED_FIG11,
                                                   RECOMMENDED_PPL, SMOKE, fig11_missing)
 
 BASELINES = ("h2o", "quant")
+
+
+AUTHORS_BASELINES = ("h2o_reference",)  # H2O at the authors' semantics (the InfiniGen artifact's H2O baseline)
+AUTHORS_H2O = "`method=infinigen_reference` vs `method=h2o_reference`"
 
 
 def baseline_name(row: pd.Series) -> str:
@@ -25,18 +29,24 @@ def baseline_name(row: pd.Series) -> str:
     return f"H2O ({num(row['method_params.heavy'])} + {num(row['method_params.recent'])})"
 
 
-def paired_ppl(rows: pd.DataFrame) -> list[tuple[str, str, P.Effect | None, str]]:
-    """InfiniGen (recommended) against each baseline row on the same 16 windows at the same relative KV size: per
-    baseline row, (baseline, size, InfiniGen's perplexity over the baseline's with its paired interval, how
-    InfiniGen's side was had: measured / interpolated, or why it was refused)."""
+def paired_ppl(rows: pd.DataFrame, method: str = "infinigen", pick=R.is_recommended,
+               baselines: tuple[str, ...] = BASELINES, density: bool = False
+               ) -> list[tuple[str, str, P.Effect | None, str]]:
+    """InfiniGen (recommended; `method` and `pick` None: every row of that method, as for infinigen_reference)
+    against each baseline row on the same 16 windows at the same relative KV size: per baseline row, (baseline,
+    size (`density`: with the artifact's density beside it where the row records it), InfiniGen's perplexity over the
+    baseline's with its paired interval, how InfiniGen's side was had: measured / interpolated, or why it was
+    refused)."""
     data = ppl_rows(rows)
     if data.empty:
         return []
     data = data[C.metric(data, "windows") >= MIN_WINDOWS]
-    gen = data[(data["method"] == "infinigen") & R.is_recommended(data)]
+    gen = data[data["method"] == method]
+    gen = gen[pick(gen)] if pick is not None and not gen.empty else gen
     out = []
-    for _, base in data[data["method"].isin(BASELINES)].sort_values(["method", "rel_kv"]).iterrows():
-        size = f"{num(100 * base['rel_kv'])}%"
+    for _, base in data[data["method"].isin(baselines)].sort_values(["method", "rel_kv"]).iterrows():
+        size = f"{num(100 * base['rel_kv'])}%" + ("" if not density or pd.isna(base["density"]) else
+                                                  f" (density {num(100 * base['density'])}%)")
         same = gen[[not L.differences(row, base, L.ACCURACY) for _, row in gen.iterrows()]] if not gen.empty else gen
         got = at_size(same, base["rel_kv"]) if not same.empty else None
         if got is None:
@@ -54,33 +64,56 @@ def better(effect: P.Effect) -> str:
     return P.HOLDS if effect.high < 1 else P.FAILS if effect.low > 1 else P.OPEN
 
 
+def pairs_text(pairs: list[tuple[str, str, P.Effect | None, str]]) -> str:
+    return "; ".join(f"vs {name} at {size}: " + (f"x{e.value:.3f} ({e.low:.3f}-{e.high:.3f}, InfiniGen {how}): "
+                                                  f"{'better' if better(e) == P.HOLDS else 'worse' if better(e) == P.FAILS else 'not told apart'}"
+                                                  if e is not None else f"refused ({how})")
+                     for name, size, e, how in pairs)
+
+
+def authors_pairs(rows: pd.DataFrame) -> list[tuple[str, str, P.Effect | None, str]]:
+    """InfiniGen against H2O, both at the authors' semantics (infinigen_reference, h2o_reference), paired."""
+    return paired_ppl(rows, "infinigen_reference", None, AUTHORS_BASELINES, density=True)
+
+
+def authors_line(rows: pd.DataFrame) -> str:
+    """C2 at the authors' semantics: InfiniGen's perplexity over H2O's at each H2O row's size, 16 windows."""
+    pairs = authors_pairs(rows)
+    if not pairs:
+        return R.authors_missing(rows, *on_every_model(*AUTHORS), what=AUTHORS_H2O)
+    return (f"{R.authors(rows, AUTHORS_H2O)}: WikiText-2, {MIN_WINDOWS} windows, InfiniGen's perplexity over H2O's at "
+            f"the same kv_fraction (95% paired interval): {pairs_text(pairs)}")
+
+
 def paired_ppl_lines(rows: pd.DataFrame) -> list[str]:
     pairs = paired_ppl(rows)
     if not pairs:
         return [R.missing(rows[rows["method"] == "infinigen"] if (rows["method"] == "infinigen").any() else rows,
                           *PAIRED[1:])]
-    each = "; ".join(f"vs {name} at {size}: " + (f"x{e.value:.3f} ({e.low:.3f}-{e.high:.3f}, InfiniGen {how}): "
-                                                  f"{'better' if better(e) == P.HOLDS else 'worse' if better(e) == P.FAILS else 'not told apart'}"
-                                                  if e is not None else f"refused ({how})")
-                     for name, size, e, how in pairs)
     return [f"{R.lead(rows[rows['method'] == 'infinigen'])}: WikiText-2, {MIN_WINDOWS} windows, InfiniGen's perplexity "
-            f"over the baseline's at the same relative KV size (95% paired interval): {each}"]
+            f"over the baseline's at the same relative KV size (95% paired interval): {pairs_text(pairs)}"]
+
+
+def pairs_status(pairs: list[tuple[str, str, P.Effect | None, str]], claim: str) -> Status:
+    """A perplexity claim's standing from its measured pairs: holds when InfiniGen is better in every one."""
+    pairs = [(n, sz, e, how) for n, sz, e, how in pairs if e is not None]
+    if not pairs:
+        return Status(claim, "not measured", "")
+    verdicts = [better(e) for _, _, e, _ in pairs]
+    verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
+    return Status(claim, verdict, "; ".join(f"{n} at {sz}: x{e.value:.2f} ({e.low:.2f}-{e.high:.2f})"
+                                            for n, sz, e, _ in pairs))
 
 
 def c2_status(rows: pd.DataFrame) -> list[Status]:
-    out = []
+    """At the authors' semantics (vs H2O) first, then the harness's variant (vs H2O, quantisation, lm-eval)."""
+    out = [pairs_status(authors_pairs(rows), f"C2: perplexity below H2O's at the same KV size ({R.AUTHORS_CLAIM})")]
+    pairs = paired_ppl(rows)
     for method, label in (("H2O", "H2O"), ("INT", "KV quantisation")):
-        pairs = [(n, sz, e, how) for n, sz, e, how in paired_ppl(rows) if n.startswith(method) and e is not None]
-        claim = f"C2: perplexity below {label}'s at the same KV size"
-        if not pairs:
-            out.append(Status(claim, "not measured", ""))
-            continue
-        verdicts = [better(e) for _, _, e, _ in pairs]
-        verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
-        out.append(Status(claim, verdict, "; ".join(f"{n} at {sz}: x{e.value:.2f} ({e.low:.2f}-{e.high:.2f})"
-                                                    for n, sz, e, _ in pairs)))
+        out.append(pairs_status([p for p in pairs if p[0].startswith(method)],
+                                f"C2: perplexity below {label}'s at the same KV size ({R.BEYOND_CLAIM})"))
     effects = lm_eval_effects(rows)
-    claim = "C2: lm-eval accuracy above H2O's and quantisation's at the same KV size"
+    claim = f"C2: lm-eval accuracy above H2O's and quantisation's at the same KV size ({R.BEYOND_CLAIM})"
     paired = [(name, e) for name, e, _ in effects if e is not None]
     if not paired:
         out.append(Status(claim, "not measured", "no paired lm-eval rows at matched KV size"))
@@ -206,8 +239,9 @@ def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
 def c2_verdict(rows: pd.DataFrame) -> list[str]:
     one = ppl_rows(rows)
     one = rows.loc[one.index[C.metric(one, "windows") < MIN_WINDOWS]] if not one.empty else rows.iloc[:0]
-    return paired_ppl_lines(rows) + lm_eval_lines(rows) + [f"one window (no interval): {line}"
-                                                            for line in ppl_lines(one)]
+    first, *rest = paired_ppl_lines(rows)
+    return [authors_line(rows), f"{R.BEYOND} {first}", *rest, *lm_eval_lines(rows)] + [
+        f"one window (no interval): {line}" for line in ppl_lines(one)]
 
 
 def c2_contrast(rows: pd.DataFrame) -> list[Contrast]:
@@ -223,7 +257,11 @@ def c2_contrast(rows: pd.DataFrame) -> list[Contrast]:
         if full is not None and not gen.empty else data.iloc[:0]
     h2o = matched_gaps(data, "infinigen", "h2o") if not data.empty else []
     quant = matched_gaps(data, "quant", "infinigen") if not data.empty else []
-    return [Contrast(f"H2O's perplexity gap to full / InfiniGen's (recommended) at the smallest matched KV size "
+    authors = [e for _, _, e, _ in authors_pairs(rows) if e is not None]
+    return [Contrast(f"InfiniGen's perplexity over H2O's at the authors' semantics at the smallest matched KV size "
+                     f"({MIN_WINDOWS} windows)", authors[0].value if authors else None,
+                     better(authors[0]) == P.HOLDS if authors else None),
+            Contrast(f"H2O's perplexity gap to full / InfiniGen's (recommended) at the smallest matched KV size "
                      f"({MIN_WINDOWS} windows where stored, else one)",
                      h2o[0][2] / h2o[0][1] if h2o and h2o[0][1] else None, h2o[0][2] > h2o[0][1] if h2o else None),
             Contrast(f"quant's perplexity gap to full / InfiniGen's (recommended) at the smallest matched KV size "
@@ -235,11 +273,14 @@ def c2_contrast(rows: pd.DataFrame) -> list[Contrast]:
 SECTION = Section(
     "c2_baselines", "C2. Better than H2O and quantisation at small KV budgets",
     "At the same (small) relative KV cache size InfiniGen loses less than H2O's eviction and low-bit KV "
-    "quantisation (paper Fig. 11). Compared here on WikiText-2 perplexity at the measured relative KV size and on "
-    "lm-eval accuracy with its 95% interval, on each model, InfiniGen at the setting selected for its family on "
-    "held-out windows (what `method=infinigen` gives; the selection section) first, then at the other settings the "
-    "store holds, each named.",
-    (*on_every_model(*PAIRED), *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, SMOKE), *RECOMMENDED_PPL),
+    "quantisation (paper Fig. 11). Compared on each model first at the authors' semantics: InfiniGen and H2O as the "
+    "InfiniGen artifact computes them (`method=infinigen_reference`, `method=h2o_reference`: [The authors' "
+    "code](#the-authors-code)), WikiText-2 perplexity paired over 16 windows at the same measured kv_fraction, the "
+    "artifact's density beside it; then, beyond the paper, at the harness's variant: on perplexity at the measured "
+    "relative KV size and on lm-eval accuracy with its 95% interval, InfiniGen at the setting selected for its "
+    "family on held-out windows (what `method=infinigen` gives; the selection section) first, then at the other "
+    "settings the store holds, each named.",
+    (*on_every_model(*PAIRED, *AUTHORS), *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, SMOKE), *RECOMMENDED_PPL),
     lambda rows: [ppl_table(rows), A.table(rows)],
     c2_verdict,
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),
