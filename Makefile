@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-kernels test-fast bench bench-ops sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
+.PHONY: help install run test test-kernels test-fast bench bench-ops bench-lm-eval sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-13
 
 bench-ops: install  ## ops and host syncs per decode step / sim forward of each method (CPU, 30-40 min here; rows into results/; OPS_ARGS=...)
 	$(PY) experiments/bench_ops.py --results results $(OPS_ARGS)
+
+bench-lm-eval: install  ## task=lm_eval at its default batch size vs lm-eval's own HF backend at each batch size: PIQA, 200 docs, 0-shot (prints the ratio)
+	$(PY) -m experiments.bench_lm_eval --data-dir $(DATA_DIR)
 
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)
 	$(PY) run.py -m +experiment=$(EXP) data_dir=$(DATA_DIR)

@@ -20,14 +20,18 @@ Two protocols, recorded in every row:
   separately (which also keeps requests with different context lengths from sharing a forward).
 
 Generative tasks (``generate_until``) decode greedily in decode mode (dense prefill of the prompt, then one token
-per step through the method's `decode_attention`), whatever the protocol; sampling is refused.
+per step through the method's `decode_attention`), whatever the protocol; sampling is refused. They run one
+request at a time whatever ``batch_size``: RULER's prompts differ in length, and decode mode never pads.
 
 Batching never pads: lm-eval right-pads a batch, and while causal attention keeps pads out of real rows, a
 method's stats would count the pad rows and a method that sizes its budget from the sequence length
 (`session.max_len`, e.g. InfiniGen with capacity < 1) would see the padded length. So a batch holds up to
-``batch_size`` requests of one input length (and one context length under serving), and scores do not depend on
-the batch size (tests/test_lm_eval.py). On CPU batching gains little anyway (~15% at batch 4); the default is 1,
-where the stats are exact for every method.
+``batch_size`` requests of one input length (and one context length under serving), and neither scores nor stats
+depend on the batch size (tests/test_lm_eval.py), nor does a run's config hash (infinigen/semantic.py). The default,
+``auto``, takes as many as fill `lm_eval_protocols.AUTO_TOKENS` tokens per forward: short requests (PIQA's ~35
+tokens) share a forward, where one alone leaves the CPU's matrix units idle, and a long one runs alone, its memory
+bounded (experiments/bench_lm_eval.py measures it against lm-eval's own HF backend). A forward's requests go through
+the LM head together.
 
 Stats (`method.stats`) are reset before each requested task name, so each row carries its own task's summary (a
 requested group shares one summary among its subtasks).
@@ -47,7 +51,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from experiments.lm_eval_protocols import check_protocol
+from experiments.lm_eval_protocols import check_batch_size, check_protocol
 from experiments.lm_eval_tasks import LOCAL_TASKS, check_include_path, resolve_task_names, task_manager
 from experiments.lm_eval_tasks import ruler
 
@@ -124,9 +128,7 @@ def validate(task, data_dir) -> None:
     limit = task.get("limit")
     if limit is not None and (not _is_int(limit) or limit < 1):
         raise ValueError(f"task.limit must be null (every doc) or an integer >= 1, got {limit!r}")
-    batch_size = task.get("batch_size")
-    if not _is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"task.batch_size must be an integer >= 1, got {batch_size!r}")
+    check_batch_size(task.get("batch_size"))
     dense_rows = task.get("dense_rows")
     if not _is_int(dense_rows) or dense_rows < 0:
         raise ValueError(f"task.dense_rows must be an integer >= 0, got {dense_rows!r}")
@@ -247,7 +249,7 @@ def evaluate_one(lm, requested: str, resolved: str, tm, task) -> list[dict]:
             "num_fewshot": results.get("n-shot", {}).get(name, task.num_fewshot),
             "limit": task.limit,
             "fewshot_seed": task.fewshot_seed,
-            "batch_size": lm.batch_size,
+            "batch_size": lm.batch_option,
             **task_metrics(results, name),
             "n": samples.get("effective"),
             "n_docs": samples.get("original"),

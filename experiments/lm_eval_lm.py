@@ -12,8 +12,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from experiments.lm_eval_protocols import check_protocol, dense_rows_of
+from experiments.lm_eval_protocols import AUTO, check_protocol, dense_rows_of, requests_per_forward
 from infinigen import adapter, modes
+
+# what lm-eval's HFLM is told when task.batch_size=auto: how many rolling windows / generation prompts it hands over
+# at once (its own `max_batch_size` default); each forward is then sized here, per input length
+HANDED_OVER = 64
 
 
 # ----------------------------------------------------------------------------------------------- the LM
@@ -30,7 +34,7 @@ class KVMethodLM(HFLM):
         method,
         protocol: str = "paper",
         dense_rows: int = 0,
-        batch_size: int = 1,
+        batch_size: int | str = AUTO,
         max_length: int | None = None,
     ):
         check_protocol(protocol, "protocol")
@@ -38,9 +42,11 @@ class KVMethodLM(HFLM):
             if model.config.vocab_size < 257:
                 raise ValueError(f"byte_tokenizer needs a vocab of >= 257 ids, model has {model.config.vocab_size}")
             tokenizer = adapter.byte_tokenizer()
+        handed_over = HANDED_OVER if batch_size == AUTO else int(batch_size)
         super().__init__(
-            pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=int(batch_size), max_length=max_length
+            pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=handed_over, max_length=max_length
         )
+        self.batch_option = batch_size if batch_size == AUTO else int(batch_size)  # task.batch_size, as rows record it
         self.method = method
         self.protocol = protocol
         self.dense_rows = dense_rows
@@ -72,32 +78,41 @@ class KVMethodLM(HFLM):
             groups.setdefault((len(inp), dense), {}).setdefault(inp, []).append(i)
         out: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:
-            for (_, dense), inputs in groups.items():
+            for (rows, dense), inputs in groups.items():
                 batches = list(inputs.items())
-                for b in range(0, len(batches), self.batch_size):
-                    batch = batches[b : b + self.batch_size]
+                size = requests_per_forward(self.batch_option, rows)
+                for b in range(0, len(batches), size):
+                    batch = batches[b : b + size]
                     inps = torch.tensor([inp for inp, _ in batch], device=self.device)  # (b, t)
                     hidden = self._hidden_call(inps, dense)  # (b, t, hidden)
                     where = f"forward {self.counts['forwards']} (batch {tuple(inps.shape)})"
-                    for row, (_, index) in zip(hidden, batch, strict=True):
-                        for i in index:
-                            out[i] = self._score(requests[i], row, where)
-                            bar.update(1)
+                    scored = [(i, row) for row, (_, index) in zip(hidden, batch, strict=True) for i in index]
+                    answers = self._score([requests[i] for i, _ in scored], [row for _, row in scored], where)
+                    for (i, _), answer in zip(scored, answers, strict=True):
+                        out[i] = answer
+                    bar.update(len(scored))
         return out
 
-    def _score(self, request, hidden: torch.Tensor, where: str) -> tuple[float, bool]:
-        """(log-likelihood, is_greedy) of a request's continuation from its input's final hidden states (t, hidden)."""
-        request_str, _, continuation_enc = request
-        cont = torch.tensor(continuation_enc, device=hidden.device)  # (c,)
-        scores = modes.token_logprobs(self.model, hidden[-cont.numel() :], cont)
+    def _score(self, requests, hiddens: list[torch.Tensor], where: str) -> list[tuple[float, bool]]:
+        """(log-likelihood, is_greedy) of each request's continuation from its input's final hidden states (t, hidden).
+        A forward's requests go through the LM head together: its weights (vocab x hidden, 113 MB for SmolLM2) are
+        read once per block of rows instead of once per request."""
+        conts = [torch.tensor(continuation_enc, device=self.device) for _, _, continuation_enc in requests]
+        rows = torch.cat([hidden[-cont.numel() :] for hidden, cont in zip(hiddens, conts, strict=True)])
+        scores = modes.token_logprobs(self.model, rows, torch.cat(conts))
         if not scores.finite:  # lm-eval would turn NaN log-likelihoods into a plausible accuracy
             raise FloatingPointError(
                 f"lm_eval: non-finite logits in {where}; no row written (check model.arch, model.dtype, the method)"
             )
-        answer = (float(scores.logprob.sum()), bool(scores.greedy.all()))
-        if request_str is not None:  # loglikelihood_rolling's windows have none: it caches per document itself
-            self.cache_hook.add_partial("loglikelihood", request_str, answer)
-        return answer
+        sizes = [cont.numel() for cont in conts]
+        answers = []
+        for (request_str, _, _), logprob, greedy in zip(requests, scores.logprob.split(sizes),
+                                                        scores.greedy.split(sizes), strict=True):
+            answer = (float(logprob.sum()), bool(greedy.all()))
+            if request_str is not None:  # loglikelihood_rolling's windows have none: it caches per document itself
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+            answers.append(answer)
+        return answers
 
     def _hidden_call(self, inps: torch.Tensor, dense_rows: int) -> torch.Tensor:
         """inps (b, t), pad-free -> final hidden states (b, t, hidden) of one sim-mode forward through the method."""
@@ -107,7 +122,8 @@ class KVMethodLM(HFLM):
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # HFLM's would run the plain model, bypassing the method; every score here goes through `_hidden_call`
-        raise NotImplementedError("KVMethodLM scores through _loglikelihood_tokens (batch_size='auto' is not supported)")
+        # (lm-eval's own batch_size="auto" would probe it: KVMethodLM sizes its forwards itself, requests_per_forward)
+        raise NotImplementedError("KVMethodLM scores through _loglikelihood_tokens")
 
     # ------------------------------------------------------------------ generation (decode mode)
     def _stop_ids(self) -> set[int]:

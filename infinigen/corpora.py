@@ -3,11 +3,11 @@ on it before any model loads, and what identifies it in the results store.
 
 A corpus is named by one string, `task.dataset` (or `method.calibration`):
 
-* a named corpus, read from its file under `data_dir` (or from the HF hub with `data_dir=null`), tokenised the
-  way the InfiniGen artifact does (see ../shared/data/SOURCES.md):
+* a named corpus, read from its file under `data_dir` (with `data_dir=null`: the copy the package ships in
+  infinigen/data/, else the HF hub), tokenised the way the InfiniGen artifact does (see ../shared/data/SOURCES.md):
   `wikitext2` (WikiText-2 raw, test split), `ptb` (Penn Treebank, **validation** split, as InfiniGen),
   `ptb_test` (Penn Treebank, test split: needs `ptb/ptb.test.txt`), `pg19` (PG-19's first book, the text
-  InfiniGen calibrates on; no hub source);
+  InfiniGen calibrates on; public domain, shipped with the package: infinigen/data/README.md);
 * `file:PATH`: a UTF-8 text file, read verbatim (newlines normalised to "\\n"; a relative PATH is taken from
   the current directory);
 * `hf:PATH/CONFIG/SPLIT/COLUMN[@REVISION]`: a hub dataset's column, rows joined by a blank line ("\\n\\n", as
@@ -33,6 +33,9 @@ CORPORA = {
     "ptb_test": ("ptb/ptb.test.txt", ("ptb_text_only", "penn_treebank", "test", "sentence")),
     "pg19": ("pg19/pg19_firstbook.txt", None),
 }
+# the files a pip install ships, laid out as in a data_dir: read when no data_dir is set (a method's default text
+# runs without a data folder), byte-identical to the data_dir copies, so either gives the same identity
+BUNDLED = Path(__file__).resolve().parent / "data"
 # tokenizers whose every token covers >= 1 UTF-8 byte give at most bytes + this many tokens (BOS, SentencePiece's
 # dummy prefix): a text with fewer bytes than a window minus this cannot fill one, whatever the tokenizer
 SPECIAL_TOKENS = 2
@@ -64,7 +67,9 @@ def _hub_spec(spec: str) -> Corpus:
 
 
 def resolve(spec: str, data_dir: str | None) -> Corpus:
-    """Parse a corpus spec; a file that should exist but does not raises FileNotFoundError."""
+    """Parse a corpus spec; a file that should exist but does not raises FileNotFoundError. A named corpus is read
+    from data_dir when one is set; without one, from the package's own copy where it ships one (BUNDLED: pg19), else
+    from the hub."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"dataset must be {_forms()}; got {spec!r}")
     if spec.startswith(HUB):
@@ -87,6 +92,8 @@ def resolve(spec: str, data_dir: str | None) -> Corpus:
         if not path.is_file():
             raise FileNotFoundError(f"dataset {spec!r} needs {path} (data_dir={data_dir!r}); file not found")
         return Corpus(spec, path=path.resolve(), style=style)
+    if (BUNDLED / rel).is_file():
+        return Corpus(spec, path=BUNDLED / rel, style=style)
     if hub is None:
         raise ValueError(f"dataset {spec!r} has no hub source: set data_dir to a folder holding {rel}")
     return Corpus(spec, hub=hub, style=style)

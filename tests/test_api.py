@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, random_ids
+from conftest import DATA_DIR, METHODS, ROOT, load_model, method_from_conf, random_ids, readme_example
 from baselines.full import Full
 from infinigen import adapter, apply, generate, load_method, modes, selected
 from infinigen import load_model as load_model_by_name
@@ -35,11 +35,6 @@ def until_stop(tokens: list[int], eos: set[int]) -> list[int]:
         if t in eos:
             break
     return out
-
-
-def readme_example() -> str:
-    section = (ROOT / "README.md").read_text().split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 # ----------------------------------------------------------------------------------------------- the README

@@ -328,3 +328,26 @@ def test_config_hash_is_frozen(point):
     model, method = point.split("/")
     cfg = compose_cfg([f"model={model}", f"method={method}", "task=ppl"])
     assert identity.config_hash(cfg) == FROZEN_HASHES[point]
+
+
+def stored_lm_eval_rows() -> list[dict]:
+    """The first row of each lm_eval run in the committed store (docs/store), as written."""
+    files = sorted((ROOT / "docs" / "store" / "rows").glob("*.jsonl"))
+    rows = [json.loads(path.read_text().splitlines()[0]) for path in files]
+    return [row for row in rows if row["task"] == "lm_eval"]
+
+
+def test_lm_eval_batch_size_keeps_the_config_hash():
+    """lm_eval's batch_size changes how fast it runs, not what it computes (equal-length requests per forward, never
+    padded): the default went from 1 to auto (issue 63), and every lm_eval run the store holds, written at 1, has
+    the config hash its config gives at auto, so it still matches and a re-run still skips it."""
+    rows = stored_lm_eval_rows()
+    assert rows and {row["config"]["task"]["batch_size"] for row in rows} == {1}
+    assert compose_cfg(["task=lm_eval"]).task.batch_size == "auto"
+    for row in rows:
+        cfg = OmegaConf.create(row["config"] | {"data_dir": DATA_DIR})
+        hashes = set()
+        for batch_size in ("auto", 1, 16):
+            cfg.task.batch_size = batch_size
+            hashes.add(identity.config_hash(cfg))
+        assert hashes == {row["config_hash"]}, row["config"]["task"]

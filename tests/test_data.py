@@ -183,6 +183,24 @@ def test_calibration_reads_the_same_corpus_forms(tmp_path):
         method_from_conf("infinigen", calibration=f"file:{text}").check_data()
 
 
+@needs_data
+def test_the_package_ships_pg19_as_the_data_dirs_copy(tmp_path):
+    """PG-19's first book ships with the package (infinigen/data/, public domain): with no data_dir it is what `pg19`
+    reads, byte for byte the data_dir's copy, so InfiniGen calibrates on the same text under the same identity (its
+    config hash and skew cache key) from either. A data_dir still wins; a corpus the package does not ship still
+    comes from the hub."""
+    shipped = data.resolve("pg19", None).path
+    assert shipped == data.BUNDLED / "pg19" / "pg19_firstbook.txt" and shipped != data.resolve("pg19", DATA_DIR).path
+    assert shipped.read_bytes() == data.resolve("pg19", DATA_DIR).path.read_bytes()
+    assert data.without_paths(data.identity("pg19", None)) == data.without_paths(data.identity("pg19", DATA_DIR))
+    text = f"file:{data.resolve('wikitext2', DATA_DIR).path}"
+    hashes = {config_hash(cfg_of(["method=infinigen", f"task.dataset={text}"], tmp_path, data_dir=d))
+              for d in (None, DATA_DIR)}
+    assert len(hashes) == 1
+    assert "public domain" in (data.BUNDLED / "README.md").read_text()
+    assert data.resolve("wikitext2", None).hub is not None
+
+
 # ----------------------------------------------------------------------------------------------- identity
 
 

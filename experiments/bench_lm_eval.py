@@ -1,0 +1,181 @@
+"""lm-eval speed: this harness's `task=lm_eval` (full attention, at the batch size a command gets when it names
+none) against lm-eval's own HF backend (HFLM) at several batch sizes, on the same model object, docs and shots.
+
+    python -m experiments.bench_lm_eval                              # piqa, 200 docs, 0-shot (issue 63)
+    python -m experiments.bench_lm_eval --hf-batch-sizes 8 16 --ours default 1 --repeats 2
+    python -m experiments.bench_lm_eval --forwards                   # + a forward's ms/token against its tokens
+
+The harness runs what `python run.py task=lm_eval 'task.tasks=[piqa]' task.limit=200 task.num_fewshot=0` runs
+(composed from conf/ as run.py composes it, `--ours 1` adds task.batch_size=1); HFLM gets the very model object and
+tokenizer the harness loaded (smollm2-135m from its bundled GGUF, offline) and runs it with transformers' SDPA
+attention, as lm-eval's own loading of a model would (the harness's model is loaded with eager attention; its
+forwards replace the attention anyway). Both are timed around `lm_eval.simple_evaluate` alone (request building,
+forwards, metrics): the seconds each row of the store records. With --repeats, the points run in turn that many
+times and the fastest run of each counts (other load on the machine only slows a run down).
+
+Prints the seconds and acc of each, the ratio of the harness at its default to lm-eval at its best batch size and
+whether that is within 1.15x (issue 63), and on how many docs the acc is the same through both (the same model
+must score alike, and the harness at another batch size as at its default). --forwards: the sim-mode forward's ms
+per token against the tokens a forward holds, at a few input lengths: where it stops falling is
+experiments/lm_eval_protocols.py AUTO_TOKENS, what `task.batch_size=auto` fills. --threads: torch's threads (on a
+machine other jobs share, one thread each keeps their OpenMP threads from spinning against each other). A benchmark
+script, not a test: run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+# run as a file, its folder would come first on the path and experiments/lm_eval.py would shadow the lm_eval package
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "experiments"]
+
+import torch  # noqa: E402
+
+from baselines.full import Full  # noqa: E402
+from experiments import lm_eval as task_module  # noqa: E402
+from experiments.lm_eval_protocols import AUTO_TOKENS  # noqa: E402
+from infinigen import adapter, modes  # noqa: E402
+
+WITHIN = 1.15  # issue 63: the harness's default within this factor of lm-eval's HF backend at its best
+
+
+def compose_run(overrides: list[str], data_dir: str):
+    """The config `python run.py <overrides>` runs, and its method, checked as the runner checks them."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments import validation
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"data_dir={data_dir}"])
+    _, method = validation.validate(cfg)
+    return cfg, method
+
+
+def harness(model, tokenizer, overrides: list[str], data_dir: str) -> tuple[float, dict]:
+    cfg, method = compose_run(overrides, data_dir)
+    (row,) = task_module.run(model, tokenizer, method, cfg.task, cfg.data_dir)
+    return row["seconds"], {"acc": row["acc"], "per_doc": row["units"]["acc"], "batch_size": cfg.task.batch_size,
+                            "forwards": row["forwards"]}
+
+
+def hf_backend(model, tokenizer, batch_size: int, task: str, limit: int, shots: int,
+               data_dir: str) -> tuple[float, dict]:
+    """lm-eval's own HF backend on the same model object, docs and shots, timed as the harness times itself."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    (name,), manager = task_module.lm_eval_setup([task], data_dir)
+    with adapter.attn_implementation(model, "sdpa"):
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+        t0 = time.perf_counter()
+        results = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=shots, limit=limit, task_manager=manager,
+                                          bootstrap_iters=task_module.BOOTSTRAP_ITERS, log_samples=True)
+        seconds = time.perf_counter() - t0
+    units = task_module.units_of(results["samples"][name])
+    return seconds, {"acc": results["results"][name]["acc,none"], "per_doc": units["acc"]}
+
+
+def same_docs(a: list, b: list) -> str:
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)} docs"
+
+
+def forward_curve(model, lengths: list[int], budgets: list[int]) -> None:
+    """ms per token of one sim-mode forward (full attention) of b inputs of t tokens, for b*t up to each budget."""
+    print(f"\nsim-mode forward, full attention, ms per token (median of 3) by tokens per forward (AUTO_TOKENS = "
+          f"{AUTO_TOKENS}):")
+    print("| input tokens | " + " | ".join(str(n) for n in budgets) + " |")
+    print("|---:|" + "---:|" * len(budgets))
+    gen = torch.Generator().manual_seed(0)
+    for t in lengths:
+        cells = []
+        for budget in budgets:
+            b = budget // t
+            if b < 1:
+                cells.append("")
+                continue
+            ids = torch.randint(0, model.config.vocab_size, (b, t), generator=gen)
+            modes.sim_hidden(model, Full(), ids)  # warm-up
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                modes.sim_hidden(model, Full(), ids)
+                times.append(time.perf_counter() - t0)
+            cells.append(f"{statistics.median(times) / (b * t) * 1e3:.3f}")
+        print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="piqa")
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--shots", type=int, default=0)
+    ap.add_argument("--model", default=None, help="a conf/model name (default: the config's, smollm2-135m)")
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    ap.add_argument("--ours", nargs="+", default=["default"],
+                    help="the harness's batch sizes: default (the command names none), an integer or auto")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--forwards", action="store_true", help="also print the forward's ms/token curve")
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own, one per core)")
+    ap.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    # what `python run.py task=lm_eval 'task.tasks=[piqa]' task.limit=200 task.num_fewshot=0` composes (method: full)
+    base = ["task=lm_eval", f"task.tasks=[{args.task}]", f"task.limit={args.limit}", f"task.num_fewshot={args.shots}",
+            *([f"model={args.model}"] if args.model else [])]
+    cfg, _ = compose_run(base, args.data_dir)
+    model, tokenizer = adapter.load(cfg.model, device="cpu")
+    docs = (f"{args.task}, {args.limit} docs, {args.shots}-shot, {cfg.model.name}, method {cfg.method._target_}, "
+            f"{torch.get_num_threads()} threads")
+
+    def run(point: tuple[str, int | str]) -> tuple[float, dict]:
+        kind, size = point
+        if kind == "ours":
+            extra = [] if size == "default" else [f"task.batch_size={size}"]
+            return harness(model, tokenizer, base + extra, args.data_dir)
+        return hf_backend(model, tokenizer, size, args.task, args.limit, args.shots, args.data_dir)
+
+    points = [("ours", size) for size in args.ours] + [("hf", size) for size in args.hf_batch_sizes]
+    measured: dict[tuple, tuple[float, dict]] = {}
+    for _ in range(args.repeats):  # in turn, the fastest of each point kept: other load only slows a run down
+        for point in points:
+            seconds, out = run(point)
+            if point not in measured or seconds < measured[point][0]:
+                measured[point] = (seconds, out)
+            kind, size = point
+            label = (f"lm-eval HF backend (HFLM, sdpa), batch {size}" if kind == "hf" else
+                     f"this harness, batch_size={out['batch_size']}{' (default)' * (size == 'default')}, "
+                     f"{out['forwards']} forwards")
+            print(f"{label}: {seconds:.1f} s, acc {out['acc']:.4f}", flush=True)
+    mine = {size: measured[("ours", size)] for size in args.ours}
+    hf = {size: measured[("hf", size)] for size in args.hf_batch_sizes}
+
+    best = min(hf, key=lambda size: hf[size][0])
+    reference = mine.get("default") or next(iter(mine.values()))
+    ratio = reference[0] / hf[best][0]
+    print(f"\n{docs}:")
+    print(f"this harness at batch_size={reference[1]['batch_size']}: {reference[0]:.1f} s; lm-eval's HF backend at its "
+          f"best batch size ({best}): {hf[best][0]:.1f} s; ratio {ratio:.2f}x ("
+          f"{'within' if ratio <= WITHIN else 'NOT within'} {WITHIN}x)")
+    print(f"per-doc acc, harness vs lm-eval at batch {best}: the same on "
+          f"{same_docs(reference[1]['per_doc'], hf[best][1]['per_doc'])}")
+    for size, (_, out) in mine.items():
+        if out is not reference[1]:
+            print(f"per-doc acc, harness at batch_size={out['batch_size']} vs at {reference[1]['batch_size']}: the "
+                  f"same on {same_docs(out['per_doc'], reference[1]['per_doc'])}")
+    if args.forwards:
+        forward_curve(model, [32, 128, 512, 1024], [128, 256, 512, 1024, 2048, 4096, 8192])
+
+
+if __name__ == "__main__":
+    main()
