@@ -215,7 +215,7 @@ def test_no_section_of_the_report_shows_two_lines_alike(committed):
         if rows.empty:
             continue
         for i, table in enumerate(tables_of(section, rows)):
-            if not table.empty:
+            if not isinstance(table, str) and not table.empty:  # a str: a paragraph between two tables
                 found += [f"{section.slug} table {i}: {line}" for line in duplicated(lines(table))]
     assert not found, "\n".join(found)
 

@@ -82,9 +82,11 @@ def load(cfg, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
         torch.manual_seed(cfg.get("seed", 0))
         # float64 weights are the float32 draw widened: a float64 run computes the float32 model exactly (as the
         # reference checks run the authors' code on it: docs/reference.md), not another random model
-        drawn = torch.float32 if dtype == torch.float64 else dtype
+        widen = dtype == torch.float64
         with torch.device(device):  # built where it runs: a 13B model is never materialised in host memory
-            model = AutoModelForCausalLM.from_config(config, dtype=drawn).to(dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if widen else dtype)
+        if widen:  # only then: `.to` would also cast the buffers a half-precision model keeps in float32
+            model = model.to(dtype)
         tokenizer = None
     else:
         src, extra = source(cfg)
