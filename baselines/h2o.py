@@ -104,11 +104,7 @@ class H2O(KVMethod):
     def use_session(self, session) -> None:
         """Remember the session's longest sequence (budget_of="sequence" counts are fractions of it)."""
         if self.budget_of == "sequence":
-            if not session.max_len:
-                raise ValueError("budget_of='sequence' is a fraction of the longest sequence, which this session was "
-                                 "not told (model.generate inside infinigen.apply tells it; direct forwards: "
-                                 "apply(..., max_len=N))")
-            self._length = session.max_len
+            self._length = session.longest("budget_of='sequence'")
 
     def counts(self, seen: int) -> tuple[int, int]:
         """(heavy, recent) token counts once `seen` tokens exist."""

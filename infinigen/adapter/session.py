@@ -51,6 +51,13 @@ class Session:
     # branches or slices on without reading its `rows` tensor back from the device)
     chunk: tuple[int, int] = (0, 0)
 
+    def longest(self, what: str) -> int:
+        """max_len, for an option (`what`) defined as a fraction of the longest sequence; refused while unknown."""
+        if not self.max_len:
+            raise ValueError(f"{what} is a fraction of the longest sequence, which this session was not told "
+                             "(model.generate inside infinigen.apply tells it; direct forwards: apply(..., max_len=N))")
+        return self.max_len
+
     def rope_of(self, layer: AttentionLayer):
         """The (cos, sin) tables of `layer` in the current forward, also while another layer attends (speculation
         for layer i runs during layer i-1, whose tables may be the other RoPE base); None without RoPE."""

@@ -197,11 +197,8 @@ class RowCaps:
     def layer_cap(self, session: Session, layer: AttentionLayer) -> int:
         """budget_of="sequence": int(budget x what the model's attention lets the sequence's last row see on
         `layer`) (the whole sequence on a global layer)."""
-        if not session.max_len:
-            raise ValueError("budget_of='sequence' is a fraction of the longest sequence, which this session was not "
-                             "told (model.generate inside infinigen.apply tells it; direct forwards: "
-                             "apply(..., max_len=N))")
-        return sequence_cap(self.budget, full_past(layer, session.max_len - 1) + 1, self.max_num_kv)
+        length = session.longest("budget_of='sequence'")
+        return sequence_cap(self.budget, full_past(layer, length - 1) + 1, self.max_num_kv)
 
     def dense_rows(self, session: Session, layer: AttentionLayer, past):
         """Which rows (`past` entries before each: a tensor or an int) attend every entry: under

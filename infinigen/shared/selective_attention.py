@@ -139,10 +139,8 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
     def pool_size(self, session: Session) -> int | None:
         if self.capacity == 1:
             return None
-        if self.capacity < 1 and not session.max_len:
-            raise ValueError(f"capacity={self.capacity} is a fraction of the longest sequence, which this session was "
-                             "not told (model.generate inside infinigen.apply tells it; direct forwards: "
-                             "apply(..., max_len=N))")
+        if self.capacity < 1:
+            return pool_limit(self.capacity, session.longest(f"capacity={self.capacity}"))
         return pool_limit(self.capacity, session.max_len)
 
     def offload_kind(self, layer: AttentionLayer) -> str:
