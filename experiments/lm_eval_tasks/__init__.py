@@ -1,4 +1,5 @@
-"""Offline lm-eval 0.4.13 twins of copa, openbookqa, winogrande, piqa, rte (multiple choice) and wikitext
+"""Offline lm-eval 0.4.13 twins of copa, openbookqa, winogrande, piqa, rte, arc_easy, arc_challenge, sciq, boolq
+(multiple choice) and wikitext
 (rolling log-likelihood: word/byte perplexity, bits per byte).
 
 The YAMLs in this folder name their data files relative to a data dir (e.g. /work/shared/data, see its
@@ -40,6 +41,10 @@ LOCAL_TASKS: dict[str, str] = {
     "winogrande": "winogrande_local",
     "piqa": "piqa_local",
     "rte": "rte_local",
+    "arc_easy": "arc_easy_local",
+    "arc_challenge": "arc_challenge_local",
+    "sciq": "sciq_local",
+    "boolq": "boolq_local",
     "wikitext": "wikitext_local",
 }
 

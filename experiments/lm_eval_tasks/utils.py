@@ -121,3 +121,11 @@ def load_wikitext(data_files: dict[str, str] | None = None, **_metadata: Any) ->
         split: datasets.Dataset.from_dict({"page": wikitext_pages(Path(path).read_text(encoding="utf-8"))})
         for split, path in data_files.items()
     })
+
+
+def boolq_process_docs(dataset: datasets.Dataset) -> datasets.Dataset:
+    """process_docs for boolq_local: super_glue's ``label`` (0 no, 1 yes) from the file's bool ``answer``.
+
+    In memory and never from the datasets cache (openbookqa_process_docs says why).
+    """
+    return dataset.map(lambda doc: {"label": int(doc["answer"])}, keep_in_memory=True, load_from_cache_file=False)
