@@ -66,9 +66,12 @@ class Effect:
             return (f"{100 * self.value:+.1f} points (95% paired interval {100 * self.low:+.1f} to "
                     f"{100 * self.high:+.1f}; McNemar p {self.p:.2g}, {self.gained} docs gained, {self.lost} lost, "
                     f"n = {self.n})")
-        interval = ("no interval from one window" if self.n < 2 else
-                    f"95% paired interval x{self.low:.3f} to x{self.high:.3f}")
-        return f"x{self.value:.3f} ({interval}, {self.n} windows)"
+        if self.n < 2:
+            return f"{self.value:+.3f} (n = 1 window: its spread is not measured)"
+        if self.kind == "nll":
+            return (f"{self.value:+.3f} nats/token (95% paired interval {self.low:+.3f} to {self.high:+.3f}, "
+                    f"{self.n} windows)")
+        return f"x{self.value:.3f} (95% paired interval x{self.low:.3f} to x{self.high:.3f}, {self.n} windows)"
 
 
 def closeness(effect: Effect) -> str:
@@ -78,6 +81,44 @@ def closeness(effect: Effect) -> str:
     if effect.kind == "accuracy":
         return HOLDS if effect.low > -MARGIN_POINTS else FAILS if effect.high < -MARGIN_POINTS else OPEN
     return HOLDS if effect.high < 1 + MARGIN_PPL else FAILS if effect.low > 1 + MARGIN_PPL else OPEN
+
+
+def side(effect: Effect, threshold: float, below: bool = True) -> str:
+    """HOLDS / FAILS / OPEN for "the effect lies below `threshold`" (`below` False: above it): HOLDS when the whole
+    95% interval is on the claimed side, FAILS when it is wholly on the other, OPEN when it reaches across."""
+    if not (math.isfinite(effect.low) and math.isfinite(effect.high)):
+        return OPEN
+    low, high = (effect.low, effect.high) if below else (-effect.high, -effect.low)
+    threshold = threshold if below else -threshold
+    return HOLDS if high < threshold else FAILS if low > threshold else OPEN
+
+
+def margin(kind: str) -> float:
+    """The threshold a closeness claim is tested against: -MARGIN_POINTS (accuracy), 1 + MARGIN_PPL (perplexity)."""
+    return -MARGIN_POINTS if kind == "accuracy" else 1 + MARGIN_PPL
+
+
+def units_to_settle(effect: Effect, threshold: float) -> float:
+    """How many paired units would put the effect's 95% interval wholly on one side of `threshold` (its margin, or 1
+    or 0 where two methods are compared), from the spread the interval measured: its half-width shrinks as
+    1/sqrt(n), so n x (half-width / distance to the threshold)^2 (ratios on the log scale). inf when the estimate
+    sits on the threshold or the interval is not finite; never less than the n measured."""
+    ratio = effect.kind == "perplexity"
+    value, low, high, at = ((math.log(v) for v in (effect.value, effect.low, effect.high, threshold)) if ratio else
+                            (effect.value, effect.low, effect.high, threshold))
+    half, distance = (high - low) / 2, abs(value - at)
+    if not (math.isfinite(half) and math.isfinite(distance)) or distance == 0:
+        return math.inf
+    return max(float(effect.n), math.ceil(effect.n * (half / distance) ** 2))
+
+
+def settle_text(effect: Effect, threshold: float, unit: str) -> str:
+    """"about 3,400 paired docs would settle it" (its interval clear of the threshold), from units_to_settle."""
+    if effect.n < 2:
+        return f"one {unit.removesuffix('s')} measures no spread, so no n can be sized from it"
+    n = units_to_settle(effect, threshold)
+    return (f"no n settles it (the estimate sits on {threshold:g})" if not math.isfinite(n) else
+            f"about {n:,.0f} paired {unit} would settle it (measured: {effect.n:,})")
 
 
 def margin_text(kind: str) -> str:
@@ -126,6 +167,13 @@ def accuracy_difference(units: dict, reference: dict, metric: str = "acc") -> Ef
     p = stats.binomtest(gained, gained + lost, 0.5).pvalue if gained + lost else 1.0
     low, high = _interval((mine - ref,), lambda d, axis: d.mean(axis=axis))
     return Effect(float((mine - ref).mean()), low, high, len(mine), "accuracy", float(p), gained, lost)
+
+
+def mean(values, kind: str = "accuracy") -> Effect:
+    """The mean of per-unit scores (0/1 or partial credit) with its 95% bootstrap interval over units."""
+    data = np.asarray(values, dtype=float)
+    low, high = _interval((data,), lambda d, axis: d.mean(axis=axis))
+    return Effect(float(data.mean()) if len(data) else math.nan, low, high, len(data), kind)
 
 
 def pooled(rows: list[tuple[dict, dict]]) -> tuple[dict, dict]:

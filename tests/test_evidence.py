@@ -151,30 +151,40 @@ def test_a_dirty_commit_or_another_thread_count_is_refused_too():
     like.check(a, a.copy(), "speed")
 
 
-def chunk_run(path, digest, method, params, kv, gap, model="smollm2-135m"):
-    chunks = {str(p): 3.0 + gap for p in range(0, 2048, 256)}
+def chunk_run(path, digest, method, params, kv, gaps, model="smollm2-135m"):
+    """A 2,048-token ppl run over two windows whose NLL per token is 3 + each window's gap in every 256-token chunk."""
+    chunks = {str(p): 3.0 + sum(gaps) / 2 for p in range(0, 2048, 256)}
+    units = {"id": [0, 2048], "nll": [2047 * (3.0 + g) for g in gaps], "tokens": [2047, 2047],
+             "chunk_nll": [[255 * (3.0 + g)] + [256 * (3.0 + g)] * 7 for g in gaps],
+             "chunk_tokens": [[255] + [256] * 7] * 2}
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": model, "method": method, "task": "ppl",
         "method_params": {"name": method, **params},
-        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 2048, "max_windows": 1},
-        "metrics": {"ppl": math.exp(3.0 + gap), "kv_fraction": kv, "windows": 1, "seq_len": 2048,
-                    "nll_by_chunk": chunks}, "config": {"model": {"arch": SMOLLM2}},
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 2048, "max_windows": 2},
+        "metrics": {"ppl": math.exp(3.0 + sum(gaps) / 2), "kv_fraction": kv, "windows": 2, "seq_len": 2048,
+                    "nll_by_chunk": chunks, "units": units}, "config": {"model": {"arch": SMOLLM2}},
         "meta": {"device": "cpu", "threads": 2}}])
 
 
 def test_c3_refuses_an_h2o_row_at_another_kv_fraction_and_interpolates_inside_h2os_range(tmp_path):
+    """InfiniGen against H2O at the same kv_fraction, paired over windows and per chunk: refused when H2O's rows
+    do not reach InfiniGen's size, interpolated window by window between the two around it."""
     from infinigen.selected import LLAMA
 
-    chunk_run(tmp_path, "0" * 16, "full", {}, 1.0, 0.0)
-    chunk_run(tmp_path, "1" * 16, "infinigen", LLAMA | {"budget": 0.2, "capacity": 1.0}, 0.224, 0.03)
-    chunk_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.01875, "recent": 0.01875}, 0.0455, 1.3)  # 5x less KV
-    line = c3_position.c3_verdict(matching.load(tmp_path))[0]
-    assert "refused" in line and "InfiniGen's / H2O's" not in line, line
-    chunk_run(tmp_path, "3" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, 0.20, 0.5)
-    chunk_run(tmp_path, "4" * 16, "h2o", {"heavy": 0.125, "recent": 0.125}, 0.26, 0.3)
-    line = c3_position.c3_verdict(matching.load(tmp_path))[0]
-    assert "interpolated between kv_fraction 20% and 26%" in line, line
-    assert f"H2O's at the same kv_fraction {0.5 + (0.224 - 0.2) / 0.06 * (0.3 - 0.5):.3g}" in line, line
+    chunk_run(tmp_path, "0" * 16, "full", {}, 1.0, (0.0, 0.0))
+    chunk_run(tmp_path, "1" * 16, "infinigen", LLAMA | {"budget": 0.2, "capacity": 1.0}, 0.224, (0.02, 0.04))
+    chunk_run(tmp_path, "2" * 16, "h2o", {"heavy": 0.01875, "recent": 0.01875}, 0.0455, (1.2, 1.4))  # 5x less KV
+    line = c3_position.c3_verdict(matching.load(tmp_path))[-1]
+    assert "refused" in line and "span kv_fraction 4.55-4.55%" in line, line
+    chunk_run(tmp_path, "3" * 16, "h2o", {"heavy": 0.1, "recent": 0.1}, 0.20, (0.4, 0.6))
+    chunk_run(tmp_path, "4" * 16, "h2o", {"heavy": 0.125, "recent": 0.125}, 0.26, (0.2, 0.4))
+    line = c3_position.c3_verdict(matching.load(tmp_path))[-1]
+    w = (0.224 - 0.2) / 0.06
+    expected = 0.03 - (0.5 + w * (0.3 - 0.5))  # InfiniGen's mean NLL minus H2O's interpolated one
+    assert "(interpolated)" in line and f"{expected:+.3f} nats/token" in line, line
+    assert "below h2o's: holds" in line and "below in 8 of 8 chunks" in line, line
+    (status,) = [s for s in c3_position.c3_status(matching.load(tmp_path)) if "variant" in s.claim]
+    assert status.verdict == paired.HOLDS and "2 windows" in status.number, status
 
 
 # ----------------------------------------------------------------------------------------------- the selection
@@ -243,3 +253,71 @@ def test_method_infinigen_gives_each_family_its_selected_setting():
         assert {k: method[k] for k in PAPER} == SELECTED.get(family, PAPER), model
     pinned = compose("model=smollm2-135m", "method=infinigen", "method.alpha=4").method
     assert pinned.alpha == 4 and pinned.skip_layers == SELECTED["llama"]["skip_layers"]
+
+
+def test_the_n_that_would_settle_a_claim_follows_the_measured_spread():
+    """Half-width 0.02335 at n = 600 around -0.0217 (margin -0.02): the distance 0.0017 needs (0.02335/0.0017)^2 x 600
+    docs; a ratio is sized on the log scale; an estimate on the threshold has no n; a settled one needs no more."""
+    open_ = paired.Effect(-0.0217, -0.045, 0.0017, 600, "accuracy")
+    assert paired.side(open_, paired.margin("accuracy"), below=False) == paired.OPEN
+    n = math.ceil(600 * (0.02335 / 0.0017) ** 2)
+    assert paired.units_to_settle(open_, -0.02) == n
+    assert paired.settle_text(open_, -0.02, "docs") == f"about {n:,} paired docs would settle it (measured: 600)"
+    ratio = paired.Effect(1.04, 1.0, 1.08, 16, "perplexity")
+    half = (math.log(1.08) - math.log(1.0)) / 2
+    assert paired.units_to_settle(ratio, 1.05) == math.ceil(16 * (half / abs(math.log(1.04 / 1.05))) ** 2)
+    assert paired.units_to_settle(paired.Effect(0.0, -0.1, 0.1, 9, "nll"), 0.0) == math.inf
+    assert paired.units_to_settle(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0) == 9
+    assert paired.side(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0, below=False) == paired.HOLDS
+    assert paired.side(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0) == paired.FAILS
+
+
+def test_an_accuracy_verdict_refuses_rows_of_another_commit_and_of_a_dirty_tree(tmp_path):
+    """Rows of two commits and of an uncommitted tree: the verdict keeps the newest committed run's commit only,
+    and says what it refused; a speed row passes as it is (its own verdicts refuse unlike rows)."""
+    def run(digest, method, commit, when, task="ppl"):
+        store.append_rows(tmp_path, digest, [{
+            "config_hash": digest, "model": "smollm2-135m", "method": method, "task": task,
+            "method_params": {"name": method}, "task_params": {"name": task}, "metrics": {"ppl": 10.0},
+            "config": {}, "meta": {"git_commit": commit}}])
+        (path,) = (tmp_path / "rows").glob(f"{digest}__*.jsonl")
+        path.rename(path.with_name(f"{digest}__2026120{when}T000000000000Z.jsonl"))
+
+    run("a" * 16, "full", "1" * 40, 1)
+    run("b" * 16, "infinigen", "1" * 40, 2)
+    run("c" * 16, "h2o", "2" * 40, 3)  # the newest committed run: its commit is the build
+    run("d" * 16, "full", "2" * 40, 4)
+    run("e" * 16, "quant", "2" * 40 + "-dirty", 5)  # newer still, but of an uncommitted tree
+    run("f" * 16, "offload", "1" * 40, 6, task="latency")
+    kept, lines = matching.one_build(matching.load(tmp_path))
+    assert sorted(kept["method"]) == ["full", "h2o", "offload"], kept
+    assert lines == ["smollm2-135m: one build per verdict: the rows of commit 2222222 (the newest run's of a committed "
+                     "tree); refused 3 runs of other builds: 1111111 (2 runs), 2222222-dirty (1 run)"], lines
+    for digest in "cd":
+        next((tmp_path / "rows").glob(f"{digest * 16}__*")).unlink()
+    run("g" * 16, "full", "3" * 40 + "-dirty", 7)
+    kept, lines = matching.one_build(matching.load(tmp_path)[lambda d: d["meta.git_commit"].str.endswith("-dirty")])
+    assert kept["task"].eq("ppl").sum() == 0 and "refused all 2 runs, none of a committed tree" in lines[0], lines
+
+
+def test_ruler_cells_get_an_interval_over_samples_and_a_method_is_paired_with_full_per_sample(tmp_path):
+    """20 samples a cell: full right on all of niah_single_1 and on none of ruler_cwe (left out: full below 0.5),
+    the method wrong on 4 needles: -20 points over the 20 samples of the one cell, beyond the 2-point margin."""
+    from analysis.report.sections import ruler
+
+    def run(digest, method, scores):
+        store.append_rows(tmp_path, digest, [{
+            "config_hash": digest, "model": "smollm2-135m", "method": method, "task": "lm_eval",
+            "method_params": {"name": method}, "task_params": {"name": "lm_eval", "limit": 20},
+            "metrics": {"benchmark": "ruler", "task": task, "length": 1024, "n": 20, "score": sum(s) / 20,
+                        "kv_fraction": 1.0 if method == "full" else 0.3,
+                        "units": {"id": list(range(20)), "1024": s}},
+            "config": {}, "meta": {"git_commit": "1" * 40}} for task, s in scores.items()])
+
+    run("a" * 16, "full", {"niah_single_1": [1.0] * 20, "ruler_cwe": [0.0] * 20})
+    run("b" * 16, "infinigen_reference", {"niah_single_1": [0.0] * 4 + [1.0] * 16, "ruler_cwe": [0.0] * 20})
+    lines = ruler.paired_lines(matching.load(tmp_path))
+    assert "full niah_single_1 @ 1024 1 (1-1, n = 20)" in lines[0] and "niah_single_1 @ 1024 0.8 (" in lines[0], lines
+    (line,) = [x for x in lines[1:] if "minus full" in x]
+    assert "over the 20 samples of 1 cells where full scores >= 0.5 (niah_single_1 @ 1024): -20.0 points" in line, line
+    assert "0 samples gained, 4 lost" in line and line.endswith("within 2 points of full's score: does not hold"), line

@@ -15,12 +15,12 @@ def ablation_rows(df: pd.DataFrame, task: str, along: str, sweep: int = 3) -> pd
     """InfiniGen rows of `task` in groups (same model, task setting and every other hyperparameter) where
     method_params.<along> takes at least `sweep` values (two budget pairs sharing a budget are no sweep)."""
     rows = with_kv(of_task(df, task))
-    rows = rows[rows["method"] == "infinigen"]
+    rows = rows[rows["method"].isin(("infinigen", "infinigen_reference"))]
     col = f"method_params.{along}"
     if rows.empty or col not in rows:
         return rows.iloc[0:0]
     task_cols = [c for c in rows.columns if c.startswith("task_params.")]
-    fixed = ["model", *task_cols, *[c for c in param_columns(rows) if c != col]]
+    fixed = ["model", "method", *task_cols, *[c for c in param_columns(rows) if c != col]]
     if task == "lm_eval":
         fixed.append("metrics.task")
     rows = rows.copy()

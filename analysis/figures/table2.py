@@ -26,7 +26,7 @@ def eviction_rows(df: pd.DataFrame) -> pd.DataFrame:
     KV-size ones, partial_ratio and every other that varies among the rows), `setting` the group (model / dataset /
     sequence length, and what sets it apart from another group of the same)."""
     rows = of_task(df, "ppl")
-    rows = rows[rows["method"] == "infinigen"].copy()
+    rows = rows[rows["method"].isin(("infinigen", "infinigen_reference"))].copy()
     if rows.empty or "method_params.capacity" not in rows:
         return rows.iloc[0:0]
     capacity = pd.to_numeric(rows["method_params.capacity"], errors="coerce").fillna(1.0)
@@ -34,7 +34,7 @@ def eviction_rows(df: pd.DataFrame) -> pd.DataFrame:
     # at a full pool the eviction policy never runs: it must not split the group
     pool_cols = {"method_params.capacity", "method_params.eviction"}
     task_cols = [c for c in rows.columns if c.startswith("task_params.")]
-    fixed = ["model", *task_cols, *[c for c in param_columns(rows) if c not in pool_cols]]
+    fixed = ["model", "method", *task_cols, *[c for c in param_columns(rows) if c not in pool_cols]]
     rows["group"] = rows[fixed].map(short).agg(" | ".join, axis=1)
     rows = rows[rows.groupby("group")["pool"].transform(lambda s: (s != "pool 100%").any())]
     if rows.empty:

@@ -16,7 +16,9 @@ Every number in the report comes from the store; a config missing from the store
 fills it. A stored row is *stale* when its recorded config differs from what its command composes today (a
 method's default changed, a preset moved): it is listed with the difference and left out of every table, figure
 and verdict. The README's generated blocks (between the `report:NAME` markers) are rewritten from the same
-numbers. Output is byte-identical from run to run (sorted rows, no dates, PNG without software metadata).
+numbers. An accuracy verdict reads the rows of one clean build per model (matching.one_build: the newest
+committed run's commit; rows of other commits and of uncommitted trees are refused and counted in its lines).
+Output is byte-identical from run to run (sorted rows, no dates, PNG without software metadata).
 Composing every command takes Hydra ~20 s on one core; the rest (tables, figures) a few seconds.
 """
 
@@ -35,7 +37,7 @@ from analysis import columns as C
 from analysis import ops as O
 from analysis.report import sections as sections_package
 from analysis.report.compose import REFERENCE, compose_all
-from analysis.report.matching import Matched, load, match, stale_rows
+from analysis.report.matching import Matched, load, match, one_build, stale_rows
 from analysis.report.render import (anchor, headline, label, section_text, speed_block, statuses, summary_table,
                                     update_readme, verdict)
 from analysis.report.section import Section
@@ -91,7 +93,9 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
             matched = Matched(rows, {}, n, n)
         else:
             matched = match(fresh, section.commands)
-        verdicts[section.slug] = verdict(section, matched.rows)
+        rows, refused = one_build(matched.rows) if section.script is None else (matched.rows, [])
+        matched = dataclasses.replace(matched, rows=rows)
+        verdicts[section.slug] = verdict(section, matched.rows) + refused
         standing[section.slug] = statuses(section, matched.rows)
         if section.audit is not None and not matched.rows.empty:
             verdicts[section.slug] += section.audit(matched.rows, fresh)
@@ -109,15 +113,21 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         "from the store's rows; each section names the commands that produce its rows. Rows land in `results/` (`run.py`'s `results_dir`); `make export` copies "
         "them into docs/store without per-prompt detail (`python -m analysis.store export --results results --to "
         "docs/store`).",
-        "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M, one or two windows, a few lm-eval "
-        "docs): they test each claim's direction, not the paper's magnitudes on its 6.7B-30B models. The accuracy "
-        "claims (C1-C6, the speculation input, the successors, needle retrieval) are checked on both models: "
-        "verdict lines name their model, and a last line per claim says where the models agree and disagree.", "",
+        "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M): a perplexity claim is paired over 16 "
+        "windows of 1,024 tokens (C3: 8 of 2,048), an lm-eval claim over every doc of five tasks zero-shot (3,807 "
+        "docs), each difference with its 95% interval; they test each claim's direction, not the paper's magnitudes "
+        "on its 6.7B-30B models. Each model's verdicts in a section read the rows of one clean build (the newest "
+        "committed run's commit): rows of other commits and of uncommitted trees are refused, and the section counts "
+        "them. The accuracy claims (C1-C6, the speculation input, the successors, needle retrieval) are checked on "
+        "both models: verdict lines name their model, and a last line per claim says where the models agree and "
+        "disagree.", "",
         "## Stale rows", "",
         *(stale or ["None: every stored run matches what its command composes today."]), "",
         "## Summary", "",
         "Each claim of the paper on each model: holds, does not hold, or cannot be shown at this n (the interval "
-        "reaches past the margin), with its key number and 95% interval; findings beyond the paper follow.", "",
+        "reaches past the margin; the n that would settle it beside), with its key number and 95% interval; not "
+        "measured where the build's rows lack it (its section names the commands). First the count per model; "
+        "findings beyond the paper follow.", "",
         *summary, "",
     ]
     (out / "results.md").write_text("\n".join(head + body).rstrip() + "\n")

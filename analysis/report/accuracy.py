@@ -23,7 +23,8 @@ from analysis.report.section import num
 
 Z95 = 1.96
 # a task's accuracy by guessing: one over its answer choices
-CHANCE = {"copa": 1 / 2, "openbookqa": 1 / 4, "piqa": 1 / 2, "rte": 1 / 2, "winogrande": 1 / 2}
+CHANCE = {"copa": 1 / 2, "openbookqa": 1 / 4, "piqa": 1 / 2, "rte": 1 / 2, "winogrande": 1 / 2, "arc_easy": 1 / 4,
+          "arc_challenge": 1 / 4, "sciq": 1 / 4, "boolq": 1 / 2}
 SAME = ["model", "task", "shots", "protocol", "limit"]  # what full's row must share to be the reference
 COLUMNS = ("model", "method", "params", "task", "shots", "protocol", "limit", "n", "acc", "ci", "kv_fraction",
            "rel_kv", "full_acc", "diff", "diff_lo", "diff_hi", "paired", "p", "outside", "recommended", "setting",
@@ -181,3 +182,21 @@ def setting_line(part: pd.DataFrame, name: str, informative: set[str]) -> tuple[
     return (f"{head}: over the {effect.n} docs of {', '.join(sorted(informative & set(part['task'])))} (full above "
             f"chance; each doc alike): {effect.text()}; {P.margin_text('accuracy')}: {effect.closeness()}; per task: "
             f"{tasks}", effect)
+
+
+def zero_shot_every_doc(data: pd.DataFrame) -> pd.DataFrame:
+    """task_rows over every doc of each task, zero-shot: the size the lm-eval claims are settled at."""
+    return data[(data["shots"] == 0) & (data["limit"] == "all")] if not data.empty else data
+
+
+def versus(method: str, reference: str, rows: pd.DataFrame) -> tuple[P.Effect | None, pd.DataFrame, set[str]]:
+    """`method`'s accuracy minus `reference`'s (another method, or full), paired over every doc of the zero-shot
+    tasks on which full attention is above chance, each doc alike: (the effect or None, `method`'s task rows, those
+    tasks)."""
+    data = zero_shot_every_doc(task_rows(rows))
+    mine, ref = data[data["method"] == method], data[data["method"] == reference]
+    if mine.empty or ref.empty:
+        return None, mine, set()
+    tasks = above_chance(data).get((mine["model"].iloc[0], "all"), set())
+    both = mine.merge(per_doc_first(ref).drop_duplicates("task")[["task", "units"]], on="task", suffixes=("", "_ref"))
+    return pooled(both.assign(full_units=both["units_ref"]), tasks), mine, tasks & set(both["task"])

@@ -75,12 +75,54 @@ def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
     return lines
 
 
+# the tasks whose rows accuracy verdicts read: such a verdict reads the rows of one clean build (one_build)
+ACCURACY_TASKS = ("ppl", "lm_eval", "needle", "generate")
+
+
+def short_commit(commit) -> str:
+    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "") if isinstance(commit, str) else "not recorded"
+
+
+def one_build(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """An accuracy verdict's rows, per model, from one clean commit: the commit of the model's newest run (by the
+    time in its file name) among the runs of a committed tree. Rows of other commits, of a tree with uncommitted
+    changes (-dirty) or without a recorded commit are refused, as speed verdicts refuse them (analysis/like.py), so
+    that a verdict never sets rows of two builds side by side. Returns (the rows kept, one line per model that lost
+    runs, naming what was refused and why). Rows of other tasks pass as they are."""
+    if rows.empty or "task" not in rows:
+        return rows, []
+    accuracy = rows["task"].isin(ACCURACY_TASKS)
+    kept, lines = [rows[~accuracy]], []
+    for model, part in rows[accuracy].groupby("model", sort=True):
+        runs = part.drop_duplicates("_file")
+        commit = C.column(runs, "meta.git_commit")
+        clean = commit.map(lambda c: isinstance(c, str) and len(c) == 40)
+        if clean.any():
+            newest = runs[clean].assign(_when=runs.loc[clean, "_file"].str.split("__").str[-1]).sort_values("_when")
+            build = newest["meta.git_commit"].iloc[-1]
+            keep = part[C.column(part, "meta.git_commit") == build]
+        else:
+            build, keep = None, part.iloc[:0]
+        kept.append(keep)
+        refused = runs[~runs["_file"].isin(set(keep["_file"]))]
+        if refused.empty:
+            continue
+        counts = sorted(C.column(refused, "meta.git_commit").map(short_commit).value_counts().items(),
+                        key=lambda kv: (-kv[1], kv[0]))
+        named = ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in counts)
+        lines.append(f"{model}: one build per verdict: the rows of commit {short_commit(build)} (the newest run's of a "
+                     f"committed tree); refused {len(refused)} run{'s' * (len(refused) != 1)} of other builds: {named}"
+                     if build is not None else
+                     f"{model}: one build per verdict: refused all {len(refused)} runs, none of a committed tree "
+                     f"({named}); re-run the commands below from a clean checkout")
+    return pd.concat(kept).sort_index().copy(), lines
+
+
 def commits(rows: pd.DataFrame) -> str:
     """Which commit produced the rows: each commit (7 hex digits; -dirty: the tree had uncommitted changes on top)
     with its number of runs, most runs first."""
     runs = rows.drop_duplicates("_file")
-    commit = C.column(runs, "meta.git_commit").map(
-        lambda c: c[:7] + ("-dirty" if c.endswith("-dirty") else "") if isinstance(c, str) else "not recorded")
+    commit = C.column(runs, "meta.git_commit").map(short_commit)
     counts = sorted(commit.value_counts().items(), key=lambda kv: (-kv[1], kv[0]))
     text = ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in counts)
     return text + ("; -dirty: uncommitted changes on top of the commit" if commit.str.endswith("-dirty").any() else "")

@@ -57,7 +57,8 @@ def versus(data: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
 def at_size(rows: pd.DataFrame, x: float, column: str = "rel_kv") -> tuple[dict, str] | None:
     """Per-window results of `rows` (one method setting at several sizes, same windows) at size `x`: a row within
     like.KV_TOLERANCE of it as it is ("measured"), else each window's NLL interpolated linearly between the two rows
-    around `x` ("interpolated"); None outside the measured range or without per-window results."""
+    around `x` ("interpolated", each window's per-chunk NLL too where both rows hold it); None outside the measured
+    range or without per-window results."""
     rows = rows.dropna(subset=[column]).sort_values(column)
     near = rows[L.same_size(rows[column], x)]
     if not near.empty:
@@ -71,8 +72,11 @@ def at_size(rows: pd.DataFrame, x: float, column: str = "rel_kv") -> tuple[dict,
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("id") != b.get("id") or a.get("tokens") != b.get("tokens"):
         return None
     w = (x - lo[column]) / (hi[column] - lo[column])
-    return ({"id": a["id"], "tokens": a["tokens"], "nll": [u + w * (v - u) for u, v in zip(a["nll"], b["nll"])]},
-            "interpolated")
+    units = {"id": a["id"], "tokens": a["tokens"], "nll": [u + w * (v - u) for u, v in zip(a["nll"], b["nll"])]}
+    if a.get("chunk_nll") and b.get("chunk_nll") and a.get("chunk_tokens") == b.get("chunk_tokens"):
+        units |= {"chunk_tokens": a["chunk_tokens"], "chunk_nll": [
+            [u + w * (v - u) for u, v in zip(ua, vb)] for ua, vb in zip(a["chunk_nll"], b["chunk_nll"])]}
+    return units, "interpolated"
 
 
 def ppl_rows(rows: pd.DataFrame) -> pd.DataFrame:

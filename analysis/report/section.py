@@ -22,6 +22,11 @@ def num(x: float, digits: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
 
 
+# what a comparison over one window says instead of a verdict: one window measures no spread between windows
+ONE_WINDOW = ("n = 1 window: cannot be shown at this n, the windows' spread is not measured (16 windows, "
+              "`task.max_windows=16`, is this report's sample for a perplexity claim)")
+
+
 def signed(x: float) -> str:
     return f"{x:+.2f}"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from analysis import columns as C
@@ -52,6 +53,36 @@ def points(rows: pd.DataFrame) -> pd.DataFrame:
             gaps.append(math.nan)
     out["gap"] = gaps
     return out[cols]
+
+
+def window_score(rows: pd.DataFrame, model: str, setting: pd.Series) -> np.ndarray | None:
+    """A setting's score window by window: each window's NLL gap to full (nats/token) at each of TARGETS,
+    interpolated between the setting's budgets around it as the score is, averaged over TARGETS; None where the
+    rows cannot be paired or do not reach a target."""
+    ppl = C.of_task(rows, "ppl")
+    full = ppl[(ppl["method"] == "full") & (ppl["model"] == model)]
+    gen = ppl[(ppl["method"] == "infinigen") & (ppl["model"] == model)]
+    gen = gen[R.matches(gen, pd.DataFrame([setting[list(R.KEYS)]] * len(gen), index=gen.index))] if not gen.empty \
+        else gen
+    if full.empty or gen.empty:
+        return None
+    ref = full.iloc[0]["metrics.units"]
+    per = []
+    for _, row in gen.iterrows():
+        try:
+            got = P.aligned(row["metrics.units"], ref, ("nll", "tokens"))
+        except P.Unpaired:
+            return None
+        per.append((C.metric(row.to_frame().T, "kv_fraction").iloc[0], (got["nll"] - got["ref_nll"]) / got["tokens"]))
+    per.sort(key=lambda kv: kv[0])
+    at = []
+    for t in TARGETS:
+        pair = next(((a, b) for a, b in zip(per, per[1:]) if a[0] <= t <= b[0]), None)
+        if pair is None:
+            return None
+        (x0, y0), (x1, y1) = pair
+        at.append(y0 + (y1 - y0) * ((t - x0) / (x1 - x0) if x1 > x0 else 0.0))
+    return sum(at) / len(at)
 
 
 def scores(pts: pd.DataFrame) -> pd.DataFrame:

@@ -8,7 +8,7 @@ from analysis import columns as C
 from analysis import paired as P
 from analysis.report import accuracy as A
 from analysis.report import recommended as R
-from analysis.report.ppl import AUTHORS, COMPARED, PAIRED, full_ppl, ppl_rows, ppl_table, versus
+from analysis.report.ppl import AUTHORS, COMPARED, PAIRED, ppl_rows, ppl_table, versus
 from analysis.report.section import Contrast, Section, Status, figure_of, needs, num, on_every_model, on_model
 
 # InfiniGen at the recommended setting on the one-window perplexity preset (budgets 0.1 and 0.2), on each model
@@ -26,33 +26,45 @@ GEMMA3_FIG11 = (on_model(FIG11, "gemma3-270m"),)
 PAIRED_FIG11 = on_every_model("python run.py -m +experiment=fig11_accuracy_smollm2 'task.tasks=[copa,piqa]' "
                               "+point=full,infinigen_b0.07,infinigen_b0.14,infinigen_b0.28,h2o_0.0625,quant_4")
 
+# C1 and C2 on lm-eval at the authors' semantics, at a size that settles them: five tasks whole, zero-shot (PIQA
+# 1,838, ARC-Easy 570, ARC-Challenge 299, SciQ 1,000, COPA 100: 3,807 docs; about 6 / 12 minutes per run on one core
+# for SmolLM2-135M full / the reference methods, about 3x that on Gemma-3-270M's 262,144-token vocabulary).
+# InfiniGen at the artifact's budget 0.2 and H2O at its heavy 0.1 + recent 0.1: the artifact's own pairing
+LM_AUTHORS_BASE = ("python run.py -m model=smollm2-135m task=lm_eval 'task.tasks=[piqa,arc_easy,arc_challenge,sciq,"
+                   "copa]' task.num_fewshot=0")
+LM_FULL, LM_INFINIGEN, LM_H2O = (f"{LM_AUTHORS_BASE} method={m}" for m in ("full", "infinigen_reference",
+                                                                           "h2o_reference"))
+# SmolLM2's H2O rows came from two runs, the four short tasks and then SciQ (its 4,000 requests over support passages
+# are half a run's time): C2 pools, per task, the rows both methods have
+LM_H2O_SPLIT = (LM_H2O.replace("arc_challenge,sciq,copa", "arc_challenge,copa"),
+                LM_H2O.replace("piqa,arc_easy,arc_challenge,sciq,copa", "sciq"))
+LM_AUTHORS = (*on_every_model(LM_FULL, LM_INFINIGEN, LM_H2O), *LM_H2O_SPLIT)
+
+
+def authors_lm_effect(rows: pd.DataFrame) -> tuple[P.Effect | None, str]:
+    """C1 on lm-eval at the authors' semantics: InfiniGen's accuracy minus full's over every doc of the zero-shot
+    tasks where full attention is above chance, and the line that says so (or which runs it lacks)."""
+    effect, gen, tasks = A.versus("infinigen_reference", "full", rows)
+    if effect is None:
+        return None, (R.authors_missing(rows, *on_every_model(LM_FULL, LM_INFINIGEN)) + " (lm-eval)"
+                      if gen.empty or not tasks else f"{R.authors(rows)}: lm-eval: unpaired rows (see the table)")
+    verdict = effect.closeness()
+    settle = f"; {P.settle_text(effect, P.margin('accuracy'), 'docs')}" if verdict == P.OPEN else ""
+    return effect, (f"{R.authors(rows)}: lm-eval, every doc, zero-shot, budget {num(gen['budget'].iloc[0])} "
+                    f"(kv_fraction {num(100 * gen['kv_fraction'].mean())}%): InfiniGen's accuracy minus full's over "
+                    f"the {effect.n:,} docs of {', '.join(sorted(tasks))} (full above chance; each doc alike): "
+                    f"{effect.text()}; {P.margin_text('accuracy')}: {verdict}{settle}")
+
 
 def fig11_missing(rows: pd.DataFrame) -> str:
     """The lm-eval line of a model whose store lacks Fig. 11 rows at its recommended setting, naming its commands."""
     lm = C.of_task(rows, "lm_eval")
-    gemma = not lm.empty and R.model_of(lm)[0] == "gemma3-270m"
     return f"lm-eval {R.missing(lm, *PAIRED_FIG11)}"
 
 
 SMOKE = ("python run.py -m +experiment=fig11_accuracy_smoke +point=full,h2o_0.0625,quant_2,infinigen_a5_b0.2,"
          "infinigen_a7_b0.6")
 ABOVE = 0.10  # the claim's threshold: InfiniGen fetching more than about 10% of the KV cache
-
-
-def worst(part: pd.DataFrame) -> pd.Series | None:
-    """A setting's row with the highest perplexity at kv_fraction >= ABOVE (None: no such row)."""
-    above = part[part["kv"] >= ABOVE]
-    return above.loc[above["ppl"].idxmax()] if not above.empty else None
-
-
-def worst_above(part: pd.DataFrame, full: float) -> str:
-    """A setting's largest perplexity increase over full's at kv_fraction >= ABOVE."""
-    row = worst(part)
-    if row is None:
-        return f"no kv_fraction >= {num(100 * ABOVE)}% (largest {num(100 * part['kv'].max())}%)"
-    return (f"WikiText-2 perplexity at measured kv_fraction >= {num(100 * ABOVE)}% "
-            f"({int((part['kv'] >= ABOVE).sum())} budgets): at most {num(100 * (row['ppl'] / full - 1))}% above "
-            f"full's {num(full, 4)} (worst: {num(row['ppl'], 4)} at kv_fraction {num(100 * row['kv'])}%)")
 
 
 MIN_WINDOWS = 16  # the paired perplexity claim's windows (16 x 1,024 tokens)
@@ -132,49 +144,6 @@ def paired_ppl_line(rows: pd.DataFrame) -> str:
     return points_line(R.lead(rows[rows["method"] == "infinigen"]), points, density=False)
 
 
-def recall_range(part: pd.DataFrame) -> str:
-    return f"{num(part['recall'].min(), 2)}-{num(part['recall'].max(), 2)}"
-
-
-def paper_finding(gen: pd.DataFrame, paper: pd.DataFrame, recommended: pd.DataFrame, full: float) -> str:
-    """The paper's OPT defaults on this model against the recommended setting, with the speculation's recall."""
-    row = worst(paper)
-    row = row if row is not None else paper.loc[paper["ppl"].idxmax()]
-    best = worst(recommended) if not recommended.empty else None
-    more = best is None or row["ppl"] > best["ppl"]
-    line = (f"finding (one window): {R.paper_name(gen)} lose {'more' if more else 'less'}: perplexity up to "
-            f"{num(100 * (row['ppl'] / full - 1))}% above full's ({num(row['ppl'], 4)} at kv_fraction "
-            f"{num(100 * row['kv'])}%)")
-    if best is not None:
-        line += f", against at most {num(100 * (best['ppl'] / full - 1))}% at the recommended setting"
-    line += f"; the tokens they fetch carry {recall_range(paper)} of the attention mass (recall)"
-    if not recommended.empty and recommended["recall"].notna().any():
-        line += f", against {recall_range(recommended)} at the recommended setting"
-    return line
-
-
-def ppl_lines(rows: pd.DataFrame) -> list[str]:
-    """The recommended setting over 16 windows (paired) first, then the one-window rows of every other setting,
-    then the paper's OPT defaults as a finding."""
-    return [paired_ppl_line(rows), *one_window_lines(rows)]
-
-
-def one_window_lines(rows: pd.DataFrame) -> list[str]:
-    """The smoke-size rows (one window; no interval): each setting's worst point at kv >= ABOVE, named so."""
-    data = ppl_rows(rows)
-    data = data[C.metric(data, "windows") < MIN_WINDOWS] if not data.empty else data
-    full = full_ppl(data) if not data.empty else None
-    gen = data[data["method"] == "infinigen"] if not data.empty else data
-    if full is None or gen.empty:
-        return needs("WikiText-2 ppl rows of full and InfiniGen")
-    recommended, paper = gen[R.is_recommended(gen)], gen[R.is_paper(gen)]
-    out = [f"one window (no interval), at the recommended setting: {worst_above(recommended, full)}"
-           ] if not recommended.empty else []
-    for _, part in gen.drop(recommended.index.union(paper.index)).groupby("curve"):
-        out.append(f"one window (no interval), at {R.name(part.iloc[0])}: {worst_above(part, full)}")
-    return out + ([paper_finding(gen, paper, recommended, full)] if not paper.empty else [])
-
-
 def lm_eval_lines(rows: pd.DataFrame) -> tuple[list[str], list[tuple[str, P.Effect | None]]]:
     """Each InfiniGen setting and budget (most docs per task first) against full: paired over the docs of the tasks
     where full attention is above chance, then per task; and each recommended line's (docs, pooled effect or None)."""
@@ -199,12 +168,18 @@ def lm_eval_lines(rows: pd.DataFrame) -> tuple[list[str], list[tuple[str, P.Effe
 
 
 def ppl_status(points: pd.DataFrame, claim: str, density: bool = False) -> Status:
-    """The perplexity claim's standing from paired points (16 windows): the first point at kv_fraction >= ABOVE."""
+    """The perplexity claim's standing from paired points (16 windows): the first point at kv_fraction >= ABOVE;
+    where it cannot be shown, the windows that would settle the first open point."""
     if points.empty:
         return Status(claim, "not measured", "")
     verdict, where = standing(points)
     low = points[points["kv"] >= ABOVE].iloc[0] if (points["kv"] >= ABOVE).any() else points.iloc[-1]
-    return Status(claim, verdict, f"{ratio_text(low)} at {kept_text(low, density)}; {where}")
+    number = f"{ratio_text(low)} at {kept_text(low, density)}; {where}"
+    if verdict == P.OPEN:
+        point = points[(points["kv"] >= ABOVE) & (points["closeness"] == P.OPEN)].iloc[0]
+        effect = P.Effect(point["ratio"], point["lo"], point["hi"], int(point["windows"]), "perplexity")
+        number += f"; at kv {num(100 * point['kv'])}%: {P.settle_text(effect, P.margin('perplexity'), 'windows')}"
+    return Status(claim, verdict, number)
 
 
 def c1_status(rows: pd.DataFrame) -> list[Status]:
@@ -213,23 +188,35 @@ def c1_status(rows: pd.DataFrame) -> list[Status]:
     claim = f"C1: perplexity within {100 * P.MARGIN_PPL:.0f}% of full's above 10% KV"
     authors = ppl_status(authors_points(rows), f"{claim} ({R.AUTHORS_CLAIM})", density=True)
     ppl = ppl_status(paired_points(rows), f"{claim} ({R.BEYOND_CLAIM})")
-    claim = f"C1: lm-eval within {100 * P.MARGIN_POINTS:.0f} points of full's above 10% KV ({R.BEYOND_CLAIM})"
+    lm_claim = f"C1: lm-eval within {100 * P.MARGIN_POINTS:.0f} points of full's above 10% KV"
+    effect = authors_lm_effect(rows)[0]
+    authors_lm = (Status(f"{lm_claim} ({R.AUTHORS_CLAIM})", "not measured", "") if effect is None else
+                  Status(f"{lm_claim} ({R.AUTHORS_CLAIM})", effect.closeness(), points_text(effect)))
+    claim = f"{lm_claim} ({R.BEYOND_CLAIM})"
     effects = lm_eval_lines(rows)[1]
     paired = [(limit, e) for limit, e in effects if e is not None]
     if not paired:
-        return [authors, ppl, Status(claim, "not measured", "no paired lm-eval rows at the recommended setting")]
+        return [authors, authors_lm, ppl, Status(claim, "not measured", "no paired lm-eval rows at the recommended setting")]
     top = [e for limit, e in paired if limit == paired[0][0]]
     verdicts = [e.closeness() for e in top]
     verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
     worst = min(top, key=lambda e: e.low)
-    return [authors, ppl, Status(claim, verdict, f"{len(top)} budget(s), n = {worst.n} docs; lowest: {100 * worst.value:+.1f} "
-                                        f"points ({100 * worst.low:+.1f} to {100 * worst.high:+.1f})")]
+    return [authors, authors_lm, ppl, Status(claim, verdict, f"{len(top)} budget(s); lowest: {points_text(worst)}")]
+
+
+def points_text(effect: P.Effect, threshold: float = P.margin("accuracy")) -> str:
+    """An accuracy difference for the summary: points with the interval and n; the docs that would settle it where
+    it cannot be shown."""
+    text = (f"{100 * effect.value:+.1f} points ({100 * effect.low:+.1f} to {100 * effect.high:+.1f}), n = "
+            f"{effect.n:,} docs")
+    open_ = P.side(effect, threshold, below=False) == P.OPEN
+    return text + (f"; {P.settle_text(effect, threshold, 'docs')}" if open_ else "")
 
 
 def c1_verdict(rows: pd.DataFrame) -> list[str]:
     """The authors' semantics first; then, beyond the paper, the harness's variant (its first line says so)."""
-    first, *rest = ppl_lines(rows)
-    return [authors_ppl_line(rows), f"{R.BEYOND} {first}", *rest, *lm_eval_lines(rows)[0]]
+    return [authors_ppl_line(rows), authors_lm_effect(rows)[1], f"{R.BEYOND} {paired_ppl_line(rows)}",
+            *lm_eval_lines(rows)[0]]
 
 
 def c1_contrast(rows: pd.DataFrame) -> list[Contrast]:
@@ -258,7 +245,7 @@ SECTION = Section(
     "variant: the InfiniGen setting selected for each model family on held-out windows (the section above; what "
     "`method=infinigen` gives), with the paper's OPT defaults (skip_layers 1, alpha 4, partial_ratio 0.2, "
     "speculate_from previous) and its Llama-2 (alpha, budget) pairs beside it.",
-    (*on_every_model(PAIRED[0], AUTHORS[0], PAIRED[1]), *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11,
+    (*on_every_model(PAIRED[0], AUTHORS[0], PAIRED[1]), *LM_AUTHORS, *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11,
      *on_every_model(SMOKE, *COMPARED[:3]), *RECOMMENDED_PPL),
     tables, c1_verdict, figure_of("fig11_accuracy"),
     note="Differences from full attention are paired: per window (perplexity: the ratio of token-weighted "

@@ -12,9 +12,10 @@ from analysis.report import accuracy as A
 from analysis.report import recommended as R
 from analysis.report.ppl import (AUTHORS, COMPARED, PAIRED, at_size, full_ppl, matched_gaps, ppl_rows, ppl_table,
                                  ppl_vs_kv)
-from analysis.report.section import Contrast, Section, Status, needs, num, on_every_model, signed
-from analysis.report.sections.c1_accuracy import (FIG11, FIG11_FULL, GEMMA3_FIG11, MIN_WINDOWS, PAIRED_FIG11,
-                                                  RECOMMENDED_PPL, SMOKE, fig11_missing)
+from analysis.report.section import Contrast, Section, Status, needs, num, on_every_model
+from analysis.report.sections.c1_accuracy import (FIG11, FIG11_FULL, GEMMA3_FIG11, LM_AUTHORS, LM_H2O, LM_INFINIGEN,
+                                                  MIN_WINDOWS, PAIRED_FIG11, RECOMMENDED_PPL, SMOKE, fig11_missing,
+                                                  points_text)
 
 BASELINES = ("h2o", "quant")
 
@@ -101,13 +102,42 @@ def pairs_status(pairs: list[tuple[str, str, P.Effect | None, str]], claim: str)
         return Status(claim, "not measured", "")
     verdicts = [better(e) for _, _, e, _ in pairs]
     verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
+    settle = next((f"; at {sz}: {P.settle_text(e, 1.0, 'windows')}" for _, sz, e, _ in pairs if better(e) == P.OPEN),
+                  "") if verdict == P.OPEN else ""
     return Status(claim, verdict, "; ".join(f"{n} at {sz}: x{e.value:.2f} ({e.low:.2f}-{e.high:.2f})"
-                                            for n, sz, e, _ in pairs))
+                                            for n, sz, e, _ in pairs) + settle)
+
+
+def authors_lm(rows: pd.DataFrame) -> tuple[P.Effect | None, pd.DataFrame, set[str]]:
+    """C2 on lm-eval at the authors' semantics: InfiniGen's accuracy minus H2O's over every doc of the zero-shot
+    tasks where full attention is above chance (C1's runs, LM_AUTHORS)."""
+    return A.versus("infinigen_reference", "h2o_reference", rows)
+
+
+def authors_lm_line(rows: pd.DataFrame) -> str:
+    effect, gen, tasks = authors_lm(rows)
+    if effect is None:
+        return R.authors_missing(rows, *on_every_model(LM_INFINIGEN, LM_H2O), what=AUTHORS_H2O) + " (lm-eval)"
+    h2o = A.zero_shot_every_doc(A.task_rows(rows))
+    h2o = h2o[h2o["method"] == "h2o_reference"]
+    verdict = P.side(effect, 0.0, below=False)
+    settle = f"; {P.settle_text(effect, 0.0, 'docs')}" if verdict == P.OPEN else ""
+    knobs = rows.loc[rows["method"] == "h2o_reference"].iloc[0]
+    return (f"{R.authors(rows, AUTHORS_H2O)}: lm-eval, every doc, zero-shot, the artifact's pairing (InfiniGen budget "
+            f"{num(gen['budget'].iloc[0])} at kv_fraction {num(100 * gen['kv_fraction'].mean())}%, H2O heavy "
+            f"{num(knobs['method_params.heavy'])} + recent {num(knobs['method_params.recent'])} at "
+            f"{num(100 * h2o['kv_fraction'].mean())}%): InfiniGen's accuracy minus H2O's over the {effect.n:,} docs of "
+            f"{', '.join(sorted(tasks))} (full above chance; the tasks both ran): {effect.text()}; above H2O's: "
+            f"{verdict}{settle}")
 
 
 def c2_status(rows: pd.DataFrame) -> list[Status]:
     """At the authors' semantics (vs H2O) first, then the harness's variant (vs H2O, quantisation, lm-eval)."""
     out = [pairs_status(authors_pairs(rows), f"C2: perplexity below H2O's at the same KV size ({R.AUTHORS_CLAIM})")]
+    effect = authors_lm(rows)[0]
+    claim = f"C2: lm-eval accuracy above H2O's at the same KV budget ({R.AUTHORS_CLAIM})"
+    out.append(Status(claim, "not measured", "") if effect is None else
+               Status(claim, P.side(effect, 0.0, below=False), points_text(effect, 0.0)))
     pairs = paired_ppl(rows)
     for method, label in (("H2O", "H2O"), ("INT", "KV quantisation")):
         out.append(pairs_status([p for p in pairs if p[0].startswith(method)],
@@ -118,72 +148,10 @@ def c2_status(rows: pd.DataFrame) -> list[Status]:
     if not paired:
         out.append(Status(claim, "not measured", "no paired lm-eval rows at matched KV size"))
     else:
-        verdicts = [P.HOLDS if e.low > 0 else P.FAILS if e.high < 0 else P.OPEN for _, e in paired]
+        verdicts = [P.side(e, 0.0, below=False) for _, e in paired]
         verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
-        out.append(Status(claim, verdict, "; ".join(f"vs {n}: {100 * e.value:+.1f} points ({100 * e.low:+.1f} to "
-                                                    f"{100 * e.high:+.1f})" for n, e in paired)))
+        out.append(Status(claim, verdict, "; ".join(f"vs {n}: {points_text(e, 0.0)}" for n, e in paired)))
     return out
-
-
-def ppl_setting_lines(data: pd.DataFrame, gen: pd.DataFrame) -> list[str]:
-    """InfiniGen's rows `gen` (one setting) against H2O at the same measured relative KV size, and against each
-    quant row (at the same size where InfiniGen's range holds it, else its nearest InfiniGen point)."""
-    data = data[(data["method"] != "infinigen") | data.index.isin(gen.index)]
-    full, out = full_ppl(data), []
-    for x, gap, ref_gap, row, _ in matched_gaps(data, "infinigen", "h2o"):
-        out.append(f"at relative KV size {num(100 * x)}% (budget {num(row['method_params.budget'])}, measured): "
-                   f"perplexity gap to full InfiniGen {signed(gap)}, H2O {signed(ref_gap)} (interpolated): H2O's gap / "
-                   f"InfiniGen's = {num(ref_gap / gap)}x")
-    quant = matched_gaps(data, "quant", "infinigen")
-    for x, gap, ref_gap, row, _ in quant:
-        out.append(f"at relative KV size {num(100 * x)}% ({num(row['method_params.bits'])}-bit quant): gap to full "
-                   f"quant {signed(gap)}, InfiniGen {signed(ref_gap)} (interpolated): quant's gap / InfiniGen's = "
-                   f"{num(gap / ref_gap)}x")
-    for _, row in data[data["method"] == "quant"].iterrows():  # outside InfiniGen's range: its nearest point
-        if not any(m[3].name == row.name for m in quant):
-            near = gen.loc[(gen["rel_kv"] - row["rel_kv"]).abs().idxmin()]
-            out.append(f"{num(row['method_params.bits'])}-bit quant at relative KV size {num(100 * row['rel_kv'])}%: "
-                       f"gap to full {signed(row['ppl'] - full)}; nearest InfiniGen point (budget "
-                       f"{num(near['method_params.budget'])}, {num(100 * near['rel_kv'])}%): "
-                       f"{signed(near['ppl'] - full)}")
-    return out or [f"no point inside H2O's or quant's measured KV-size range (InfiniGen at "
-                   f"{num(100 * gen['rel_kv'].min())}-{num(100 * gen['rel_kv'].max())}%; widen the budgets)"]
-
-
-def ppl_lines(rows: pd.DataFrame) -> list[str]:
-    """The recommended setting first, each other setting next, the paper's OPT defaults last, as a finding."""
-    data = ppl_rows(rows)
-    if data.empty or full_ppl(data) is None or not (data["method"] == "infinigen").any():
-        return needs("WikiText-2 ppl rows of full, InfiniGen, H2O and quant")
-    gen = data[data["method"] == "infinigen"]
-    recommended, paper = gen[R.is_recommended(gen)], gen[R.is_paper(gen)]
-    if recommended.empty:
-        out = [R.missing(gen, *RECOMMENDED_PPL)]
-    else:
-        first, *rest = ppl_setting_lines(data, recommended)
-        out = [f"{R.lead(gen)}: {first}", *(f"at the recommended setting, {line}" for line in rest)]
-    for _, part in gen.drop(recommended.index.union(paper.index)).groupby("curve"):
-        out += [f"at {R.name(part.iloc[0])}: {line}" for line in ppl_setting_lines(data, part)]
-    if not paper.empty:
-        out += [paper_finding(data, gen, paper, recommended)]
-        out += [f"at the paper's OPT defaults, {line}" for line in ppl_setting_lines(data, paper)]
-    return out
-
-
-def paper_finding(data: pd.DataFrame, gen: pd.DataFrame, paper: pd.DataFrame, recommended: pd.DataFrame) -> str:
-    """Where the paper's OPT defaults land on this model, beside H2O's smallest setting and the recommended one."""
-    full = full_ppl(data)
-    gaps = paper["ppl"] - full
-    line = (f"finding: {R.paper_name(gen)}: perplexity gap to full {signed(gaps.min())} to {signed(gaps.max())} at "
-            f"relative KV size {num(100 * paper['rel_kv'].min())}-{num(100 * paper['rel_kv'].max())}%")
-    near = [("H2O's smallest setting", data[data["method"] == "h2o"]), ("the recommended setting", recommended)]
-    beside = [f"{what}: {signed(row['ppl'] - full)} at {num(100 * row['rel_kv'])}%"
-              for what, part in near if not part.empty for row in [part.loc[part["rel_kv"].idxmin()]]]
-    line += f" ({'; '.join(beside)})" if beside else ""
-    if paper["recall"].notna().any() and not recommended.empty and recommended["recall"].notna().any():
-        less = paper["recall"].mean() < recommended["recall"].mean()
-        line += f"; their speculation recalls {'less' if less else 'more'} of the attention than the recommended (C1)"
-    return line
 
 
 def lm_eval_effects(rows: pd.DataFrame) -> list[tuple[str, P.Effect | None, str]]:
@@ -237,11 +205,8 @@ def lm_eval_lines(rows: pd.DataFrame) -> list[str]:
 
 
 def c2_verdict(rows: pd.DataFrame) -> list[str]:
-    one = ppl_rows(rows)
-    one = rows.loc[one.index[C.metric(one, "windows") < MIN_WINDOWS]] if not one.empty else rows.iloc[:0]
     first, *rest = paired_ppl_lines(rows)
-    return [authors_line(rows), f"{R.BEYOND} {first}", *rest, *lm_eval_lines(rows)] + [
-        f"one window (no interval): {line}" for line in ppl_lines(one)]
+    return [authors_line(rows), authors_lm_line(rows), f"{R.BEYOND} {first}", *rest, *lm_eval_lines(rows)]
 
 
 def c2_contrast(rows: pd.DataFrame) -> list[Contrast]:
@@ -280,7 +245,7 @@ SECTION = Section(
     "relative KV size and on lm-eval accuracy with its 95% interval, InfiniGen at the setting selected for its "
     "family on held-out windows (what `method=infinigen` gives; the selection section) first, then at the other "
     "settings the store holds, each named.",
-    (*on_every_model(*PAIRED, *AUTHORS), *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, SMOKE), *RECOMMENDED_PPL),
+    (*on_every_model(*PAIRED, *AUTHORS), *LM_AUTHORS, *PAIRED_FIG11, FIG11_FULL, FIG11, *GEMMA3_FIG11, *on_every_model(*COMPARED, SMOKE), *RECOMMENDED_PPL),
     lambda rows: [ppl_table(rows), A.table(rows)],
     c2_verdict,
     lambda rows: ppl_vs_kv(rows, "C2: perplexity vs relative KV size"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
+from analysis import paired as P
 from analysis import tables as T
 from analysis.report.section import Section, needs, num, on_every_model
 
@@ -17,6 +18,7 @@ def rows_of(rows: pd.DataFrame) -> pd.DataFrame:
     if data.empty:
         return data
     return data.assign(params=T.key_params(data), agreement=C.metric(data, "agreement"),
+                       units=C.column(data, "metrics.units"),
                        exact=C.metric(data, "exact"), divergence=C.metric(data, "first_divergence"),
                        kv=C.metric(data, "kv_fraction"))
 
@@ -53,8 +55,17 @@ def verdict(rows: pd.DataFrame) -> list[str]:
     head = data.iloc[0]
     return [f"greedy continuations of {num(C.metric(head.to_frame().T, 'prompts').iloc[0])} WikiText-2 prompts "
             f"({num(C.metric(head.to_frame().T, 'new_tokens').iloc[0])} new tokens each), token agreement with full "
-            "attention's: " + ", ".join(f"{r.method} {num(100 * r.agreement)}% (kv {num(100 * r.kv)}%)"
-                                        for r in data.itertuples() if pd.notna(r.agreement))]
+            "attention's, 95% interval over prompts: " + ", ".join(
+                f"{r.method} {num(100 * r.agreement)}% ({interval(r.units)}; kv {num(100 * r.kv)}%)"
+                for r in data.itertuples() if pd.notna(r.agreement))]
+
+
+def interval(units) -> str:
+    """The per-prompt agreement's 95% bootstrap interval, with n; a row without per-prompt results says so."""
+    if not isinstance(units, dict) or not units.get("agreement"):
+        return "no per-prompt results stored"
+    share = P.mean(units["agreement"])
+    return f"{num(100 * share.low)}-{num(100 * share.high)}%, n = {share.n} prompts"
 
 
 SECTION = Section(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
+from analysis import paired as P
 from analysis import tables as T
 from analysis.figures.needle import needle_cells
 from analysis.report.section import Section, figure_of, needs, num, on_every_model
@@ -54,6 +55,35 @@ def long_verdict(rows: pd.DataFrame) -> list[str]:
         n = int(cells.groupby("setting")["n"].sum().max())
         out.append(f"needle retrieval, share of {n} keys retrieved exactly: "
                    + ", ".join(f"{s} {num(100 * a)}%" for s, a in acc.sort_index().items()))
+    return out + paired_lines(rows)
+
+
+def paired_lines(rows: pd.DataFrame) -> list[str]:
+    """Each setting's share of keys retrieved with its 95% interval over prompts, and its difference from full
+    attention's paired per prompt (the same lengths, depths and seeds), against the 2-point margin."""
+    data = C.of_task(rows, "needle")
+    data = data[C.column(data, "metrics.units").map(lambda u: isinstance(u, dict) and bool(u.get("id")))] \
+        if not data.empty else data
+    if data.empty:
+        return []
+    data = data.assign(setting=C.curve_labels(data))
+    full = data[data["method"] == "full"]
+    out = []
+    for setting, part in data.groupby("setting", sort=True):
+        units = part["metrics.units"].iloc[0]
+        share = P.mean(units["exact"])
+        line = (f"{setting}: {num(100 * share.value)}% of {share.n} keys (95% interval {num(100 * share.low)}-"
+                f"{num(100 * share.high)}%)")
+        if not full.empty and part["method"].iloc[0] != "full":
+            try:
+                effect = P.accuracy_difference(units, full["metrics.units"].iloc[0], "exact")
+                verdict = effect.closeness()
+                settle = (f"; {P.settle_text(effect, P.margin('accuracy'), 'prompts')}" if verdict == P.OPEN else "")
+                line += (f"; minus full's {effect.text().replace('docs', 'prompts')}; within 2 points of full's: "
+                         f"{verdict}{settle}")
+            except P.Unpaired as err:
+                line += f"; against full: {err}"
+        out.append(line)
     return out
 
 

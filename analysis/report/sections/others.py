@@ -7,7 +7,7 @@ import pandas as pd
 from analysis import columns as C
 from analysis import like as L
 from analysis.report.ppl import COMPARED, OTHERS, full_ppl, interpolate, ppl_rows, ppl_table, ppl_vs_kv
-from analysis.report.section import Section, needs, num, signed
+from analysis.report.section import ONE_WINDOW, Section, needs, num, signed
 
 
 def against_oracle(data: pd.DataFrame, method: str, what: str, command: str) -> list[str]:
@@ -38,7 +38,7 @@ def against_oracle(data: pd.DataFrame, method: str, what: str, command: str) -> 
             continue
         out.append(f"{name}: gap to full {signed(row['ppl'] - full)}, the oracle's at the same kv_fraction "
                    f"{signed(best[0] - full)} ({best[1]}): {num((row['ppl'] - full) / (best[0] - full))}x the "
-                   "oracle's (one window, no interval)")
+                   f"oracle's ({ONE_WINDOW})")
     return out
 
 
@@ -56,7 +56,7 @@ def others_verdict(rows: pd.DataFrame) -> list[str]:
         full = full_ppl(plain)
         if not kivi.empty and not quant.empty and full is not None:
             out.append(f"{bits}-bit, every entry kept: perplexity gap to full KIVI {signed(kivi['ppl'].iloc[0] - full)}, "
-                       f"per-token quant {signed(quant['ppl'].iloc[0] - full)} (one window, no interval)")
+                       f"per-token quant {signed(quant['ppl'].iloc[0] - full)} ({ONE_WINDOW})")
     prompt = data[C.metric(data, "dense_rows").fillna(0) > 0]
     if not prompt.empty and full_ppl(prompt) is not None:
         out += against_oracle(prompt, "snapkv", "SnapKV with a 512-token prompt", OTHERS[5])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
+from analysis import paired as P
 from analysis import tables as T
 from analysis.figures.ruler import RULER_INFORMATIVE, ruler_cells
 from analysis.report.section import Section, figure_of, needs, num
@@ -50,6 +51,74 @@ def shares_of(cells_or_rows: pd.DataFrame) -> pd.DataFrame:
     return by.assign(share=by["score"] / by["full"])
 
 
+# the paired comparison: 20 samples per (task, length) at 1,024 tokens on the tasks where full attention scored
+# >= 0.5 on the preset's one sample, for full attention, InfiniGen and H2O at the authors' semantics
+PAIRED_BASE = ("python run.py -m model=smollm2-135m task=lm_eval 'task.tasks=[niah_single_1,niah_single_2,"
+               "niah_single_3,niah_multikey_1,niah_multivalue]' 'task.max_seq_lengths=[1024]' task.limit=20 "
+               "task.protocol=serving")
+PAIRED = tuple(f"{PAIRED_BASE} method={m}" for m in ("full", "infinigen_reference", "h2o_reference"))
+PAIRED_FULL = 0.5  # a cell enters the paired comparison where full attention scores at least this
+
+
+def sample_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """RULER rows that keep their per-sample scores: model, method, setting, task, length, units."""
+    data = C.of_task(rows, "lm_eval")
+    data = data[C.column(data, "metrics.benchmark") == "ruler"] if not data.empty else data
+    if data.empty:
+        return data
+    data = data[C.column(data, "metrics.units").map(lambda u: isinstance(u, dict) and bool(u.get("id")))]
+    if data.empty:
+        return data
+    return data.assign(setting=C.curve_labels(data), length=C.metric(data, "length"),
+                       cell=C.column(data, "metrics.task").astype(str) + " @ "
+                       + C.metric(data, "length").map(lambda v: f"{v:.0f}"))
+
+
+def cell_interval(units: dict, length: float) -> tuple[float, float, float, int]:
+    """A cell's mean score with its 95% bootstrap interval over samples, and n."""
+    effect = P.mean(units[f"{length:.0f}"])
+    return effect.value, effect.low, effect.high, effect.n
+
+
+def paired_lines(rows: pd.DataFrame) -> list[str]:
+    """Per model: each cell's score with its interval over samples; then each method against full attention over
+    the samples of the cells where full scores >= PAIRED_FULL, paired per sample, against the 2-point margin."""
+    data = sample_rows(rows)
+    out = []
+    for model, part in data.groupby("model", sort=True):
+        if not (part["method"] == "full").any():
+            continue
+        cells = []
+        for _, r in part.sort_values(["method", "cell"]).iterrows():
+            value, low, high, n = cell_interval(r["metrics.units"], r["length"])
+            cells.append(f"{r['setting']} {r['cell']} {num(value, 2)} ({num(low, 2)}-{num(high, 2)}, n = {n})")
+        out.append(f"{model}: RULER score per cell, 95% interval over samples: " + "; ".join(cells))
+        # full's cells by (cell, samples): a method is paired with full's run over the same samples
+        refs = {(r["cell"], len(r["metrics.units"]["id"])): r["metrics.units"] for _, r in
+                part[part["method"] == "full"].iterrows()}
+        useful = {key for key, units in refs.items() if P.mean(units[key[0].split(" @ ")[1]]).value >= PAIRED_FULL}
+        others = part[part["method"] != "full"]
+        for (setting, length), mine in others.groupby(["setting", "length"], sort=True):
+            mine = mine.assign(key=[(r["cell"], len(r["metrics.units"]["id"])) for _, r in mine.iterrows()])
+            mine = mine[mine["key"].isin(useful)].drop_duplicates("key")
+            if mine.empty:
+                continue
+            try:
+                effect = P.accuracy_difference(*P.pooled([(r["metrics.units"], refs[r["key"]])
+                                                          for _, r in mine.sort_values("cell").iterrows()]),
+                                               f"{length:.0f}")
+            except P.Unpaired as err:
+                out.append(f"{model}: {setting} vs full: unpaired ({err})")
+                continue
+            verdict = effect.closeness()
+            settle = (f"; {P.settle_text(effect, P.margin('accuracy'), 'samples')}" if verdict == P.OPEN else "")
+            out.append(f"{model}: {setting} (kv_fraction {num(100 * C.metric(mine, 'kv_fraction').mean())}%) minus full "
+                       f"over the {effect.n} samples of {len(mine)} cells where full scores >= {PAIRED_FULL:g} "
+                       f"({', '.join(sorted(mine['cell']))}): {effect.text().replace('docs', 'samples')}; "
+                       f"{P.margin_text('accuracy').replace('accuracy', 'score')}: {verdict}{settle}")
+    return out
+
+
 def ruler_verdict(rows: pd.DataFrame) -> list[str]:
     """Per model: full attention's mean score over every task and length (per task: the section's first table),
     which cells are informative (full >= figures.RULER_INFORMATIVE), each setting's mean score over the informative
@@ -89,7 +158,7 @@ def ruler_verdict(rows: pd.DataFrame) -> list[str]:
                          + C.column(data, "meta.threads").astype(str) + " threads"))
     out.append(f"wall time per method ({', '.join(threads)}; pauses of the shared machine included): "
                + ", ".join(f"{m} {num(v, 2)} min" for m, v in minutes.items()))
-    return out
+    return out + paired_lines(rows)
 
 
 SECTION = Section(
@@ -100,11 +169,13 @@ SECTION = Section(
     f"those (a cell where full attention scores below {RULER_INFORMATIVE:g} says nothing about a method: "
     "hatched in the figure, left out of the table and the comparison). Options and refusals: "
     "docs/long_context.md.",
-    ("python run.py -m +experiment=ruler_smollm2_smoke",),
+    (*PAIRED, "python run.py -m +experiment=ruler_smollm2_smoke"),
     lambda rows: [full_table(rows), settings_table(rows)], ruler_verdict, figure_of("ruler_heatmap"),
-    note="The CPU preset generates one sample per (task, length) (task.limit=1; two took 66 min on 2 cores): "
-         "a single-needle cell is 0 or 1, cwe and the multi-needle tasks give partial credit within the "
-         "sample, and a difference of one cell is one sample. `task.limit=N` on the same preset for more. "
+    note="The paired comparison (first lines) scores 20 samples per cell at 1,024 tokens on the tasks where full "
+         "attention scored >= 0.5 on the preset's sample, for full attention, InfiniGen and H2O at the authors' "
+         "semantics: each cell's score with a bootstrap interval over its samples, each method minus full paired "
+         "per sample (analysis/paired.py). The CPU preset generates one sample per (task, length) (task.limit=1; "
+         "two took 66 min on 2 cores): a single-needle cell is 0 or 1. "
          "Scores are lm-eval's RULER string match, 0 to 1. The first table: full attention's score per task and "
          "length; the second: each setting's score on the informative cells (`task @ length`), their mean and "
          "its share of full's mean over the same cells. Wall time: lm-eval's sample generation, prefill and "

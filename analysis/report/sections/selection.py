@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
+from analysis import paired as P
 from analysis.report import recommended as R
 from analysis.report import selection as S
 from analysis.report.section import Section, needs, num, on_model
@@ -35,6 +36,20 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def tie(rows: pd.DataFrame, model: str, ranked: pd.DataFrame) -> str:
+    """Whether the selected setting and the next one can be told apart: the next one's score minus the selected
+    one's, paired over the sweep's windows with its 95% interval; where the interval reaches 0 they tie and the
+    rule's tie-break (the lower mean score on these windows) decided."""
+    best, next_ = (S.window_score(rows, model, ranked.iloc[i]) for i in (0, 1))
+    if best is None or next_ is None:
+        return "the two cannot be paired window by window"
+    effect = P.mean(next_ - best, kind="nll")
+    if effect.n < 2 or effect.low <= 0:
+        return (f"they tie: the next one's score minus the selected one's {effect.text()} reaches 0; the rule broke "
+                "the tie by the lower mean over these windows")
+    return f"the selected one is better: the next one's score minus its {effect.text()}"
+
+
 def verdict(rows: pd.DataFrame) -> list[str]:
     pts = S.points(rows)
     if pts.empty or pts["gap"].isna().all():
@@ -54,7 +69,8 @@ def verdict(rows: pd.DataFrame) -> list[str]:
                      for k in R.KEYS)
         line = (f"{model}: selected {R.describe(choice)} (mean NLL gap to full at kv_fraction "
                 f"{'/'.join(f'{100 * t:.0f}%' for t in S.TARGETS)}: {num(ranked.iloc[0]['score'])} nats/token"
-                + (f"; next {R.describe(runner_up)}: {num(runner_up['score'])}" if runner_up is not None else "")
+                + (f"; next {R.describe(runner_up)}: {num(runner_up['score'])}; {tie(rows, model, ranked)}"
+                   if runner_up is not None else "")
                 + f"; {int((~scored['eligible']).sum())} of {len(scored)} settings cannot reach these sizes); "
                 f"infinigen/selected.py for {family}: " + ("agrees" if agrees else
                                                           f"DISAGREES ({R.describe(conf)}): edit it"))

@@ -6,7 +6,7 @@ import pandas as pd
 
 from analysis import columns as C
 from analysis.report.ppl import COMPARED, full_ppl, matched_gaps, ppl_rows, ppl_table
-from analysis.report.section import Section, figure_of, needs, num, on_every_model, on_model, signed
+from analysis.report.section import ONE_WINDOW, Section, figure_of, needs, num, on_every_model, on_model, signed
 
 SOURCES = ("python run.py -m +experiment=fig13_speculation_smoke "
            "+point=speculate_previous,speculate_block_input,oracle_skip2")
@@ -69,6 +69,8 @@ def speculation_verdict(rows: pd.DataFrame) -> list[str]:
     elif outside:
         out.append(f"{outside} InfiniGen setting(s) lie outside the oracle's measured kv_fraction range (no matched "
                    "comparison)")
+    if out and C.metric(gen, "windows").max() < 2:
+        out = [f"{line} ({ONE_WINDOW})" if "x" in line.split(":")[-1] else line for line in out]
     return (out + qk_lines) or needs("InfiniGen rows of two speculate_from options at one budget")
 
 

@@ -11,7 +11,7 @@ import yaml
 from analysis import columns as C
 from analysis import tables as T
 from analysis.report.compose import ROOT
-from analysis.report.section import Contrast, Section, needs, num, on_every_model, signed
+from analysis.report.section import ONE_WINDOW, Contrast, Section, needs, num, on_every_model, signed
 
 KERNEL = "python run.py -m +experiment=successors_kernel_smoke"  # RocketKV's stage-1 kernel at 31 and 63
 # the protocol is 8 windows (task.max_windows=8); the preset and the rows: one window
@@ -125,6 +125,8 @@ def successors_verdict(rows: pd.DataFrame) -> list[str]:
         others = part[part["method"] != "oracle"]
         if part.iloc[0]["method"] == "oracle" and not others.empty:  # the exact top-k is the bound, not a contender
             line += f" (the exact top-k), of the others {others.iloc[0]['method']}"
+        if C.metric(rows[rows["task"] == "ppl"], "windows").max() < 2:
+            line += f" ({ONE_WINDOW})"
         out.append(line)
         moved = part.rename(columns={"h2d KiB/token": "h2d", "device KV MiB": "device"})
         if "h2d" in moved and moved["h2d"].notna().any():
