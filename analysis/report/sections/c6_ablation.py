@@ -63,8 +63,8 @@ def plateau(part: pd.DataFrame, along: str) -> tuple[str, str]:
     the largest value is on it (perplexity still falls) or none is (it rises again past the best)."""
     effects = against_best(part)
     if any(e is not None and e.n < 2 for e in effects):
-        return P.OPEN, (f"{ONE_WINDOW}; perplexity " + ", ".join(f"{num(r['ppl'], 4)} at {along} {num(r[along])}"
-                                                               for _, r in part.iterrows()))
+        return P.OPEN, (f"{ONE_WINDOW}; perplexity at each value swept: "
+                        + ", ".join(f"{num(r[along])}: {num(r['ppl'], 4)}" for _, r in part.iterrows()))
     tied = [e is None or e.low <= 1 for e in effects]
     start = len(tied)
     while start > 0 and tied[start - 1]:
