@@ -51,7 +51,7 @@ class Effect:
     low: float
     high: float
     n: int
-    kind: str  # "accuracy" | "perplexity"
+    kind: str  # "accuracy" | "perplexity" | "nll" | "speed"
     p: float | None = None  # accuracy: McNemar's exact two-sided p
     gained: int | None = None  # accuracy: units the method gets right and the reference wrong ...
     lost: int | None = None  # ... and the other way round
@@ -66,6 +66,8 @@ class Effect:
             return (f"{100 * self.value:+.1f} points (95% paired interval {100 * self.low:+.1f} to "
                     f"{100 * self.high:+.1f}; McNemar p {self.p:.2g}, {self.gained} docs gained, {self.lost} lost, "
                     f"n = {self.n})")
+        if self.kind == "speed":
+            return f"{self.value:.2f}x (95% interval {self.low:.2f}-{self.high:.2f}, {self.n} decode steps)"
         if self.n < 2:
             return f"{self.value:+.3f} (n = 1 window: its spread is not measured)"
         if self.kind == "nll":
@@ -202,6 +204,21 @@ def perplexity_ratio(units: dict, reference: dict) -> Effect:
     value = float(ratio(got["nll"], got["ref_nll"], got["tokens"]))
     low, high = _interval((got["nll"], got["ref_nll"], got["tokens"]), ratio)
     return Effect(value, low, high, len(got["nll"]), "perplexity")
+
+
+def step_time_ratio(steps, reference_steps) -> Effect:
+    """The reference's median decode step time over the method's (above 1: the method is faster), the two runs'
+    steps paired by index (the same decode position, so the same KV length), with a bootstrap interval over steps.
+    The interval holds the spread of steps within the two runs, not the machine's drift from run to run."""
+    mine, ref = np.asarray(steps, dtype=float), np.asarray(reference_steps, dtype=float)
+    n = min(len(mine), len(ref))
+    mine, ref = mine[:n], ref[:n]
+
+    def ratio(m, r, axis=-1):
+        return np.median(r, axis=axis) / np.median(m, axis=axis)
+
+    low, high = _interval((mine, ref), ratio)
+    return Effect(float(ratio(mine, ref)) if n else math.nan, low, high, n, "speed")
 
 
 def nll_gap(units: dict, reference: dict) -> Effect:

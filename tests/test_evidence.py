@@ -274,7 +274,8 @@ def test_the_n_that_would_settle_a_claim_follows_the_measured_spread():
 
 def test_an_accuracy_verdict_refuses_rows_of_another_commit_and_of_a_dirty_tree(tmp_path):
     """Rows of two commits and of an uncommitted tree: the verdict keeps the newest committed run's commit only,
-    and says what it refused; a speed row passes as it is (its own verdicts refuse unlike rows)."""
+    and says what it refused; a verdict on another task (lm-eval) keeps its own build; a speed row passes as it is
+    (its own verdicts refuse unlike rows)."""
     def run(digest, method, commit, when, task="ppl"):
         store.append_rows(tmp_path, digest, [{
             "config_hash": digest, "model": "smollm2-135m", "method": method, "task": task,
@@ -289,9 +290,10 @@ def test_an_accuracy_verdict_refuses_rows_of_another_commit_and_of_a_dirty_tree(
     run("d" * 16, "full", "2" * 40, 4)
     run("e" * 16, "quant", "2" * 40 + "-dirty", 5)  # newer still, but of an uncommitted tree
     run("f" * 16, "offload", "1" * 40, 6, task="latency")
+    run("h" * 16, "full", "1" * 40, 7, task="lm_eval")  # the newest run, of another verdict: its build is its own
     kept, lines = matching.one_build(matching.load(tmp_path))
-    assert sorted(kept["method"]) == ["full", "h2o", "offload"], kept
-    assert lines == ["smollm2-135m: one build per verdict: the rows of commit 2222222 (the newest run's of a committed "
+    assert sorted(kept["method"] + " " + kept["task"]) == ["full lm_eval", "full ppl", "h2o ppl", "offload latency"]
+    assert lines == ["smollm2-135m, ppl: one build per verdict: the rows of commit 2222222 (the newest run's of a committed "
                      "tree); refused 3 runs of other builds: 1111111 (2 runs), 2222222-dirty (1 run)"], lines
     for digest in "cd":
         next((tmp_path / "rows").glob(f"{digest * 16}__*")).unlink()
@@ -321,3 +323,15 @@ def test_ruler_cells_get_an_interval_over_samples_and_a_method_is_paired_with_fu
     (line,) = [x for x in lines[1:] if "minus full" in x]
     assert "over the 20 samples of 1 cells where full scores >= 0.5 (niah_single_1 @ 1024): -20.0 points" in line, line
     assert "0 samples gained, 4 lost" in line and line.endswith("within 2 points of full's score: does not hold"), line
+
+
+def test_a_speed_ratio_gets_an_interval_over_decode_steps_paired_by_position():
+    """Offload's steps twice InfiniGen's: the ratio of medians is 2 with an interval above 1 (holds); equal steps
+    up to noise: the interval reaches across 1 (cannot be shown)."""
+    rng = np.random.default_rng(0)
+    mine = 10 + rng.normal(0, 0.5, 14)
+    faster = paired.step_time_ratio(mine, 2 * mine)
+    assert faster.value == pytest.approx(2.0) and faster.low > 1 and faster.kind == "speed" and faster.n == 14
+    assert paired.side(faster, 1.0, below=False) == paired.HOLDS and "14 decode steps" in faster.text()
+    alike = paired.step_time_ratio(mine, 10 + rng.normal(0, 0.5, 14))
+    assert alike.low < 1 < alike.high and paired.side(alike, 1.0, below=False) == paired.OPEN

@@ -16,7 +16,7 @@ Every number in the report comes from the store; a config missing from the store
 fills it. A stored row is *stale* when its recorded config differs from what its command composes today (a
 method's default changed, a preset moved): it is listed with the difference and left out of every table, figure
 and verdict. The README's generated blocks (between the `report:NAME` markers) are rewritten from the same
-numbers. An accuracy verdict reads the rows of one clean build per model (matching.one_build: the newest
+numbers. An accuracy verdict reads the rows of one clean build per model and task (matching.one_build: the newest
 committed run's commit; rows of other commits and of uncommitted trees are refused and counted in its lines).
 Output is byte-identical from run to run (sorted rows, no dates, PNG without software metadata).
 Composing every command takes Hydra ~20 s on one core; the rest (tables, figures) a few seconds.
@@ -116,8 +116,8 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M): a perplexity claim is paired over 16 "
         "windows of 1,024 tokens (C3: 8 of 2,048), an lm-eval claim over every doc of five tasks zero-shot (3,807 "
         "docs), each difference with its 95% interval; they test each claim's direction, not the paper's magnitudes "
-        "on its 6.7B-30B models. Each model's verdicts in a section read the rows of one clean build (the newest "
-        "committed run's commit): rows of other commits and of uncommitted trees are refused, and the section counts "
+        "on its 6.7B-30B models. Each verdict (a model's perplexity or lm-eval rows in a section) reads the rows of "
+        "one clean build (the newest committed run's commit): rows of other commits and of uncommitted trees are refused, and the section counts "
         "them. The accuracy claims (C1-C6, the speculation input, the successors, needle retrieval) are checked on "
         "both models: verdict lines name their model, and a last line per claim says where the models agree and "
         "disagree.", "",

@@ -84,16 +84,17 @@ def short_commit(commit) -> str:
 
 
 def one_build(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """An accuracy verdict's rows, per model, from one clean commit: the commit of the model's newest run (by the
-    time in its file name) among the runs of a committed tree. Rows of other commits, of a tree with uncommitted
+    """An accuracy verdict's rows from one clean commit. A section's verdict reads one task of one model
+    (perplexity or lm-eval, say), so per (model, task) the rows kept are those of the commit of the newest run (by
+    the time in its file name) among the runs of a committed tree. Rows of other commits, of a tree with uncommitted
     changes (-dirty) or without a recorded commit are refused, as speed verdicts refuse them (analysis/like.py), so
-    that a verdict never sets rows of two builds side by side. Returns (the rows kept, one line per model that lost
-    runs, naming what was refused and why). Rows of other tasks pass as they are."""
+    that a verdict never sets rows of two builds side by side. Returns (the rows kept, one line per (model, task)
+    that lost runs, naming what was refused and why). Rows of other tasks pass as they are."""
     if rows.empty or "task" not in rows:
         return rows, []
     accuracy = rows["task"].isin(ACCURACY_TASKS)
     kept, lines = [rows[~accuracy]], []
-    for model, part in rows[accuracy].groupby("model", sort=True):
+    for (model, task), part in rows[accuracy].groupby(["model", "task"], sort=True):
         runs = part.drop_duplicates("_file")
         commit = C.column(runs, "meta.git_commit")
         clean = commit.map(lambda c: isinstance(c, str) and len(c) == 40)
@@ -110,10 +111,10 @@ def one_build(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         counts = sorted(C.column(refused, "meta.git_commit").map(short_commit).value_counts().items(),
                         key=lambda kv: (-kv[1], kv[0]))
         named = ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in counts)
-        lines.append(f"{model}: one build per verdict: the rows of commit {short_commit(build)} (the newest run's of a "
+        lines.append(f"{model}, {task}: one build per verdict: the rows of commit {short_commit(build)} (the newest run's of a "
                      f"committed tree); refused {len(refused)} run{'s' * (len(refused) != 1)} of other builds: {named}"
                      if build is not None else
-                     f"{model}: one build per verdict: refused all {len(refused)} runs, none of a committed tree "
+                     f"{model}, {task}: one build per verdict: refused all {len(refused)} runs, none of a committed tree "
                      f"({named}); re-run the commands below from a clean checkout")
     return pd.concat(kept).sort_index().copy(), lines
 
