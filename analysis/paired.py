@@ -67,7 +67,8 @@ class Effect:
                     f"{100 * self.high:+.1f}; McNemar p {self.p:.2g}, {self.gained} docs gained, {self.lost} lost, "
                     f"n = {self.n})")
         if self.kind == "speed":
-            return f"{self.value:.2f}x (95% interval {self.low:.2f}-{self.high:.2f}, {self.n} decode steps)"
+            return (f"{self.value:.2f}x (95% interval {self.low:.2f}-{self.high:.2f}, {self.n} decode steps)"
+                    if self.n >= 2 else f"{self.value:.2f}x (no per-step times recorded: no spread measured)")
         if self.n < 2:
             return f"{self.value:+.3f} (n = 1 window: its spread is not measured)"
         if self.kind == "nll":
@@ -210,6 +211,8 @@ def step_time_ratio(steps, reference_steps) -> Effect:
     """The reference's median decode step time over the method's (above 1: the method is faster), the two runs'
     steps paired by index (the same decode position, so the same KV length), with a bootstrap interval over steps.
     The interval holds the spread of steps within the two runs, not the machine's drift from run to run."""
+    if any(x is None or np.ndim(x) != 1 or len(x) == 0 for x in (steps, reference_steps)):
+        raise Unpaired("no per-step decode times recorded")
     mine, ref = np.asarray(steps, dtype=float), np.asarray(reference_steps, dtype=float)
     n = min(len(mine), len(ref))
     mine, ref = mine[:n], ref[:n]

@@ -335,3 +335,20 @@ def test_a_speed_ratio_gets_an_interval_over_decode_steps_paired_by_position():
     assert paired.side(faster, 1.0, below=False) == paired.HOLDS and "14 decode steps" in faster.text()
     alike = paired.step_time_ratio(mine, 10 + rng.normal(0, 0.5, 14))
     assert alike.low < 1 < alike.high and paired.side(alike, 1.0, below=False) == paired.OPEN
+
+
+def test_an_authors_line_names_the_knobs_the_sweep_holds_not_its_first_point():
+    """An alpha sweep listed first (alpha 7) beside a partial_ratio sweep at the preset's alpha 5: the line names
+    alpha 5 and partial_ratio 0.2, each knob's most common value."""
+    rows = pd.DataFrame({"method": ["infinigen_reference"] * 6, "model": ["smollm2-135m"] * 6,
+                         "method_params.alpha": [7.0, 1.0, 5.0, 5.0, 5.0, 9.0],
+                         "method_params.partial_ratio": [0.2, 0.2, 0.2, 0.1, 0.5, 0.2],
+                         "method_params.skip_layers": [2] * 6})
+    assert "with skip_layers 2, alpha 5, partial_ratio 0.2;" in R.authors(rows), R.authors(rows)
+
+
+def test_a_speed_row_without_per_step_times_has_no_interval_and_decides_nothing():
+    with pytest.raises(paired.Unpaired):
+        paired.step_time_ratio(None, [1.0, 2.0])
+    none = paired.Effect(0.9, math.nan, math.nan, 0, "speed")
+    assert paired.side(none, 1.0, below=False) == paired.OPEN and "no per-step times recorded" in none.text()

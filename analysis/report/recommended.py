@@ -164,13 +164,14 @@ AUTHORS_CLAIM, BEYOND_CLAIM = "the authors' semantics", "the harness's variant, 
 
 def authors(rows: pd.DataFrame, what: str = "`method=infinigen_reference`") -> str:
     """How a line at the authors' semantics opens: the rows' model (its InfiniGen reference rows' where it has
-    some), what runs and the artifact's knobs those rows ran with."""
+    some), what runs and the artifact's knobs those rows ran with (each knob's most common value: a sweep of one
+    knob holds the others at the preset's, so its swept points do not name the setting)."""
     gen = rows[rows["method"] == "infinigen_reference"] if "method" in rows else rows
     model = (gen if not gen.empty else rows)["model"].value_counts().index[0]
     gen = gen[gen["model"] == model]
     knobs = ""
     if not gen.empty:
-        values = setting(gen).iloc[0]
+        values = setting(gen).agg(lambda column: column.value_counts(sort=True).index[0])
         knobs = f" with skip_layers {num(float(values['skip_layers']))}, alpha {num(float(values['alpha']))}, " \
                 f"partial_ratio {num(float(values['partial_ratio']))}"
     return f"{AUTHORS} on {model} ({what}, the InfiniGen artifact's algorithm{knobs}; [The authors' code](#the-authors-code))"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from analysis import columns as C
@@ -116,7 +118,12 @@ def c7_status(rows: pd.DataFrame) -> list[Status]:
         if "offload (decode_ms_median)" not in ratios:
             continue
         offload = part[part["method"] == "offload"].iloc[0]
-        effect = P.step_time_ratio(gen.iloc[0].get("metrics.decode_ms_steps"), offload.get("metrics.decode_ms_steps"))
+        try:
+            effect = P.step_time_ratio(gen.iloc[0].get("metrics.decode_ms_steps"),
+                                       offload.get("metrics.decode_ms_steps"))
+        except P.Unpaired:
+            ratio = ratios["offload (decode_ms_median)"]
+            effect = P.Effect(ratio, math.nan, math.nan, 0, "speed")
         shapes.append((num(part["batch_size"].iloc[0]), num(part["prompt_len"].iloc[0], 5), effect))
     if not shapes:
         return [Status(claim, "not measured", "no offload and InfiniGen rows of one build at one shape")]
