@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import columns as C
+from analysis import like
 from analysis import store
 from analysis import tables as T
 from analysis.report.compose import composed, difference, jobs, semantic
@@ -79,10 +80,6 @@ def stale_rows(df: pd.DataFrame, commands: list[str]) -> list[str]:
 ACCURACY_TASKS = ("ppl", "lm_eval", "needle", "generate")
 
 
-def short_commit(commit) -> str:
-    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "") if isinstance(commit, str) else "not recorded"
-
-
 def one_build(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """An accuracy verdict's rows from one clean commit. A section's verdict reads one task of one model
     (perplexity or lm-eval, say), so per (model, task) the rows kept are those of the commit of the newest run (by
@@ -108,10 +105,10 @@ def one_build(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         refused = runs[~runs["_file"].isin(set(keep["_file"]))]
         if refused.empty:
             continue
-        counts = sorted(C.column(refused, "meta.git_commit").map(short_commit).value_counts().items(),
+        counts = sorted(C.column(refused, "meta.git_commit").map(like.short_commit).value_counts().items(),
                         key=lambda kv: (-kv[1], kv[0]))
         named = ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in counts)
-        lines.append(f"{model}, {task}: one build per verdict: the rows of commit {short_commit(build)} (the newest run's of a "
+        lines.append(f"{model}, {task}: one build per verdict: the rows of commit {like.short_commit(build)} (the newest run's of a "
                      f"committed tree); refused {len(refused)} run{'s' * (len(refused) != 1)} of other builds: {named}"
                      if build is not None else
                      f"{model}, {task}: one build per verdict: refused all {len(refused)} runs, none of a committed tree "
@@ -123,7 +120,7 @@ def commits(rows: pd.DataFrame) -> str:
     """Which commit produced the rows: each commit (7 hex digits; -dirty: the tree had uncommitted changes on top)
     with its number of runs, most runs first."""
     runs = rows.drop_duplicates("_file")
-    commit = C.column(runs, "meta.git_commit").map(short_commit)
+    commit = C.column(runs, "meta.git_commit").map(like.short_commit)
     counts = sorted(commit.value_counts().items(), key=lambda kv: (-kv[1], kv[0]))
     text = ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in counts)
     return text + ("; -dirty: uncommitted changes on top of the commit" if commit.str.endswith("-dirty").any() else "")
