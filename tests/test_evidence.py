@@ -152,16 +152,18 @@ def test_a_dirty_commit_or_another_thread_count_is_refused_too():
 
 
 def chunk_run(path, digest, method, params, kv, gaps, model="smollm2-135m"):
-    """A 2,048-token ppl run over two windows whose NLL per token is 3 + each window's gap in every 256-token chunk."""
-    chunks = {str(p): 3.0 + sum(gaps) / 2 for p in range(0, 2048, 256)}
-    units = {"id": [0, 2048], "nll": [2047 * (3.0 + g) for g in gaps], "tokens": [2047, 2047],
+    """A 2,048-token ppl run over len(gaps) windows whose NLL per token is 3 + each window's gap in every 256-token
+    chunk."""
+    n = len(gaps)
+    chunks = {str(p): 3.0 + sum(gaps) / n for p in range(0, 2048, 256)}
+    units = {"id": [2048 * i for i in range(n)], "nll": [2047 * (3.0 + g) for g in gaps], "tokens": [2047] * n,
              "chunk_nll": [[255 * (3.0 + g)] + [256 * (3.0 + g)] * 7 for g in gaps],
-             "chunk_tokens": [[255] + [256] * 7] * 2}
+             "chunk_tokens": [[255] + [256] * 7] * n}
     store.append_rows(path, digest, [{
         "config_hash": digest, "model": model, "method": method, "task": "ppl",
         "method_params": {"name": method, **params},
-        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 2048, "max_windows": 2},
-        "metrics": {"ppl": math.exp(3.0 + sum(gaps) / 2), "kv_fraction": kv, "windows": 2, "seq_len": 2048,
+        "task_params": {"name": "ppl", "dataset": "wikitext2", "seq_len": 2048, "max_windows": n},
+        "metrics": {"ppl": math.exp(3.0 + sum(gaps) / n), "kv_fraction": kv, "windows": n, "seq_len": 2048,
                     "nll_by_chunk": chunks, "units": units}, "config": {"model": {"arch": SMOLLM2}},
         "meta": {"device": "cpu", "threads": 2}}])
 
@@ -185,6 +187,22 @@ def test_c3_refuses_an_h2o_row_at_another_kv_fraction_and_interpolates_inside_h2
     assert "below h2o's: holds" in line and "below in 8 of 8 chunks" in line, line
     (status,) = [s for s in c3_position.c3_status(matching.load(tmp_path)) if "variant" in s.claim]
     assert status.verdict == paired.HOLDS and "2 windows" in status.number, status
+
+
+def test_c3_decides_on_the_most_windows_where_a_claim_was_run_at_two_sizes(tmp_path):
+    """SmolLM2's C3 ran at 8 windows and, left open there, at 16: the verdict is the larger sample's, the smaller
+    one's line stays beside it."""
+    h2o = {"heavy": 0.1, "recent": 0.1}
+    for n, gaps in ((2, (0.0, 0.3)), (4, (0.1, 0.15, 0.2, 0.12))):
+        chunk_run(tmp_path, f"{n}0".ljust(16, "0"), "full", {}, 1.0, (0.0,) * n)
+        chunk_run(tmp_path, f"{n}1".ljust(16, "0"), "infinigen_reference",
+                  {"budget": 0.2, "alpha": 5.0, "partial_ratio": 0.2, "skip_layers": 2}, 0.2, gaps)
+        chunk_run(tmp_path, f"{n}2".ljust(16, "0"), "h2o_reference", h2o, 0.2, (0.3,) * n)
+    rows = matching.load(tmp_path)
+    (status,) = [s for s in c3_position.c3_status(rows) if "authors" in s.claim]
+    assert "4 windows" in status.number and status.verdict == paired.HOLDS, status
+    lines = [line for line in c3_position.c3_verdict(rows) if "h2o_reference's" in line]
+    assert len(lines) == 2 and "4 windows" in lines[0] and "2 windows" in lines[1], lines
 
 
 # ----------------------------------------------------------------------------------------------- the selection

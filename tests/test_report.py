@@ -497,6 +497,14 @@ def test_the_docs_recommend_the_setting_the_report_leads_with():
     assert {k: defaults[k] for k in recommended.KEYS} == recommended.PAPER
 
 
+def test_a_missing_line_names_the_commands_of_the_rows_model():
+    """Gemma 3's rows lacking a claim's runs get Gemma 3's commands, not the SmolLM2 commands the section lists."""
+    rows = pd.DataFrame({"model": ["gemma3-270m"], "method": ["full"], "method_params.budget": [float("nan")]})
+    line = recommended.missing(rows, "python run.py -m model=smollm2-135m task=ppl method=full")
+    assert "`python run.py -m task=ppl method=full model=gemma3-270m` adds them" in line, line
+    assert "smollm2" not in line, line
+
+
 def test_c1_leads_with_the_recommended_rows_whatever_order_the_rows_come_in(tmp_path):
     """The paper's rows sort first in the store and are worse: the harness's line is still the recommended
     setting's (the paired 16-window comparison, or the command that adds it); one-window rows give no verdict line

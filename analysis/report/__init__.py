@@ -114,8 +114,8 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         "them into docs/store without per-prompt detail (`python -m analysis.store export --results results --to "
         "docs/store`).",
         "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M): a perplexity claim is paired over 16 "
-        "windows of 1,024 tokens (C3: 8 of 2,048), an lm-eval claim over every doc of five tasks zero-shot (3,807 "
-        "docs), each difference with its 95% interval; they test each claim's direction, not the paper's magnitudes "
+        "windows of 1,024 tokens (C3: 8 of 2,048, 16 where 8 left it open), an lm-eval claim over every doc of "
+        "five tasks zero-shot (3,807 docs; the harness's variant: PIQA and COPA, 1,938), each difference with its 95% interval; they test each claim's direction, not the paper's magnitudes "
         "on its 6.7B-30B models. Each verdict (a model's perplexity or lm-eval rows in a section) reads the rows of "
         "one clean build (the newest committed run's commit): rows of other commits and of uncommitted trees are refused, and the section counts "
         "them. The accuracy claims (C1-C6, the speculation input, the successors, needle retrieval) are checked on "

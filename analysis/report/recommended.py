@@ -13,7 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
-from analysis.report.section import num
+from analysis.report.section import num, on_model
 
 from infinigen.selected import KEYS, LLAMA, PAPER, SELECTED
 
@@ -123,7 +123,7 @@ def missing(rows: pd.DataFrame, *commands: str) -> str:
     them (those for the rows' model, where the commands name models)."""
     model = model_of(rows)[0]
     commands = tuple(c for c in commands if f"model={model}" in c.split(" ")) or tuple(
-        c for c in commands if "model=" not in c) or commands
+        c for c in commands if "model=" not in c) or tuple(on_model(c, model) for c in commands)
     verb = "adds" if len(commands) == 1 else "add"
     return f"{lead(rows)}: not in the store yet ({' and '.join(f'`{c}`' for c in commands)} {verb} them)"
 
