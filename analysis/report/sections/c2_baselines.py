@@ -191,7 +191,8 @@ def lm_eval_effects(rows: pd.DataFrame) -> list[tuple[str, P.Effect | None, str]
                                     f"chance on none of the tasks): see the table"))
             continue
         out.append((name, effect, f"{head}: InfiniGen minus {method} over the {effect.n} docs of "
-                                  f"{', '.join(sorted(tasks))}: {effect.text()}"))
+                                  f"{', '.join(sorted(tasks & set(both['task'])))} (full above chance; the tasks "
+                                  f"both ran): {effect.text()}"))
     return out
 
 
