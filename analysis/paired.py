@@ -120,6 +120,9 @@ def settle_text(effect: Effect, threshold: float, unit: str) -> str:
     if effect.n < 2:
         return f"one {unit.removesuffix('s')} measures no spread, so no n can be sized from it"
     n = units_to_settle(effect, threshold)
+    if math.isfinite(n) and n <= effect.n:  # the bootstrap interval is lopsided and ends just past the threshold
+        return (f"its interval just reaches {threshold:g}: a few more than the {effect.n:,} paired {unit} measured "
+                "would settle it")
     return (f"no n settles it (the estimate sits on {threshold:g})" if not math.isfinite(n) else
             f"about {n:,.0f} paired {unit} would settle it (measured: {effect.n:,})")
 

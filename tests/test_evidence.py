@@ -288,6 +288,11 @@ def test_the_n_that_would_settle_a_claim_follows_the_measured_spread():
     assert paired.units_to_settle(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0) == 9
     assert paired.side(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0, below=False) == paired.HOLDS
     assert paired.side(paired.Effect(0.5, 0.4, 0.6, 9, "nll"), 0.0) == paired.FAILS
+    # a lopsided bootstrap interval that ends just past the threshold: the symmetric estimate is no more than measured
+    lopsided = paired.Effect(-0.0134, -0.0265, 0.0001, 1938, "accuracy")
+    assert paired.side(lopsided, 0.0, below=False) == paired.OPEN
+    assert paired.settle_text(lopsided, 0.0, "docs") == ("its interval just reaches 0: a few more than the 1,938 "
+                                                         "paired docs measured would settle it")
 
 
 def test_an_accuracy_verdict_refuses_rows_of_another_commit_and_of_a_dirty_tree(tmp_path):

@@ -150,7 +150,8 @@ def c2_status(rows: pd.DataFrame) -> list[Status]:
     else:
         verdicts = [P.side(e, 0.0, below=False) for _, e in paired]
         verdict = P.FAILS if P.FAILS in verdicts else P.HOLDS if all(v == P.HOLDS for v in verdicts) else P.OPEN
-        out.append(Status(claim, verdict, "; ".join(f"vs {n}: {points_text(e, 0.0)}" for n, e in paired)))
+        deciding = sorted(paired, key=lambda pair: P.side(pair[1], 0.0, below=False) != verdict)  # the verdict's first
+        out.append(Status(claim, verdict, "; ".join(f"vs {n}: {points_text(e, 0.0)}" for n, e in deciding)))
     return out
 
 
