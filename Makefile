@@ -48,8 +48,8 @@ test-kernels: install  ## the half-precision checks again with ONEDNN_MAX_CPU_IS
 test-fast: install  ## the suite without slow-marked checks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
-bench: install  ## sim-mode cost of each method vs a dense forward on smollm2-135m (prints ratios)
-	$(PY) experiments/bench_sim.py
+bench: install  ## sim-mode cost of each method (and InfiniGen's capped pool per eviction policy) vs a dense forward on smollm2-135m (prints ratios)
+	$(PY) experiments/bench_sim.py $(foreach p,counter lru fifo,--variant infinigen:capacity=0.8,eviction=$(p))
 
 bench-ops: install  ## ops and host syncs per decode step / sim forward of each method (CPU, 30-40 min here; rows into results/; OPS_ARGS=...)
 	$(PY) experiments/bench_ops.py --results results $(OPS_ARGS)

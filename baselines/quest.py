@@ -129,12 +129,14 @@ class Quest(GatheringMethod):
     def tokens_kept(self, pages_kept: torch.Tensor, rows: torch.Tensor, s: int) -> torch.Tensor:
         """(b, h_kv, r, n_pages) kept pages -> (b, h_kv, r, s) kept positions: those pages + the row's own page
         (causality is the caller's: positions after the row are never attended)."""
-        page_of = torch.arange(s, device=rows.device) // self.page_size  # (s,)
-        missing = (s - 1) // self.page_size + 1 - pages_kept.shape[-1]  # sim: the last, incomplete page
-        if missing > 0:
-            pages_kept = torch.cat([pages_kept, pages_kept.new_zeros(*pages_kept.shape[:-1], missing)], -1)
-        keep = pages_kept[..., page_of]  # (b, h_kv, r, s)
-        return keep | (page_of[None, :] == (rows // self.page_size)[:, None])
+        ps, n_pages = self.page_size, pages_kept.shape[-1]
+        page_of = torch.arange(s, device=rows.device) // ps  # (s,)
+        keep = pages_kept.new_zeros(*pages_kept.shape[:-1], s)  # (b, h_kv, r, s); pages not held stay unkept
+        whole = min(s // ps, n_pages)  # pages wholly inside the s positions, each one broadcast copy
+        keep[..., : whole * ps].view(*keep.shape[:-1], whole, ps).copy_(pages_kept[..., :whole, None])
+        if whole < n_pages and whole * ps < s:  # a kept page cut by position s
+            keep[..., whole * ps :] = pages_kept[..., whole : whole + 1]
+        return keep.logical_or_(page_of[None, :] == (rows // ps)[:, None])
 
     # ------------------------------------------------------------------ sim mode
     def sim_state(self, session, layer, q, k, v, allowed):

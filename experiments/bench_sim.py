@@ -3,6 +3,7 @@
     python experiments/bench_sim.py                                   # every conf/method/*.yaml, 2048 tokens
     python experiments/bench_sim.py --methods full h2o --scaling 1024 2048 4096 8192 --repeats 1
     python experiments/bench_sim.py --methods h2o --set h2o.heavy=0.2 --tokens 1024 --scaling
+    python experiments/bench_sim.py --methods full infinigen --variant infinigen:capacity=0.8,eviction=lru
 
 Loads the model once and takes the first tokens of WikiText-2 (DATA_DIR, default ../shared/data from the repo
 root). Table 1 (at --tokens): median seconds of --repeats runs of the model's SDPA forward, its eager forward and
@@ -63,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="*", default=None, help="conf/method names (default: all of them)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
                    help="override a method hyperparameter, e.g. infinigen.capacity=0.8 (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="METHOD:KEY=VALUE[,KEY=VALUE]",
+                   help="one more label: a conf/method with these overrides, beside the method itself, e.g. "
+                        "infinigen:capacity=0.8,eviction=lru (repeatable)")
     p.add_argument("--model", default="smollm2-135m", help="conf/model name")
     p.add_argument("--tokens", type=int, default=2048, help="sequence length of table 1")
     p.add_argument("--scaling", type=int, nargs="*", default=[1024, 2048, 4096, 8192],
@@ -179,13 +183,27 @@ class Entry:
     capture: str = "none"
 
 
-def entries_of(names, overrides, data_dir, random_init: bool, variants: bool) -> list[Entry]:
-    """The labels to run, in order: each method, its capture=graph variant right after it, capture=compile ones
-    last (they compile, the slowest to start)."""
+def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """'infinigen:capacity=0.8,eviction=lru' -> ('infinigen', ['capacity=0.8', 'eviction=lru']); bad specs exit."""
+    available = {p.stem for p in METHOD_DIR.glob("*.yaml")}
+    out = []
+    for spec in specs:
+        name, colon, sets = spec.partition(":")
+        dotlist = [item for item in sets.split(",") if item]
+        if not colon or name not in available or not dotlist or not all("=" in item for item in dotlist):
+            raise SystemExit(f"--variant expects METHOD:KEY=VALUE[,KEY=VALUE] with METHOD in conf/method, got {spec!r}")
+        out.append((name, dotlist))
+    return out
+
+
+def entries_of(names, overrides, data_dir, random_init: bool, variants: bool,
+               extra: list[tuple[str, list[str]]] = ()) -> list[Entry]:
+    """The labels to run, in order: each method, its capture=graph variant right after it, then the --variant
+    labels, capture=compile ones last (they compile, the slowest to start)."""
     out, late = [], []
-    for name in names:
-        method = build_method(name, overrides.get(name, []), data_dir)
-        label = name + "".join(f" {o}" for o in overrides.get(name, []))
+    for name, dotlist in [(name, overrides.get(name, [])) for name in names] + list(extra):
+        method = build_method(name, dotlist, data_dir)
+        label = name + "".join(f" {o}" for o in dotlist)
         out.append(Entry(label, name, method.stand_in() if random_init else method, getattr(method, "capture", "none")))
         if variants and "capture" in {f.name for f in dataclasses.fields(method)}:
             for capture in CAPTURE_VARIANTS:
@@ -208,7 +226,8 @@ def load_model(args, device: str, positions: int):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     names, overrides = chosen_methods(args.methods, args.set)
-    entries = entries_of(names, overrides, args.data_dir, args.random_init, args.capture_variants)  # fail early
+    entries = entries_of(names, overrides, args.data_dir, args.random_init, args.capture_variants,
+                         parse_variants(args.variant))  # fail early
     if not args.dense_rows and not args.prompt_for_compressors:
         # a prompt-compressing method (SnapKV) has no prompt to compress at dense_rows=0
         skipped = sorted({e.name for e in entries if e.method.needs_prompt})

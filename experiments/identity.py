@@ -55,6 +55,8 @@ def data_identity(cfg) -> dict:
             out["ruler"] = haystack_identity(ruler_names(names), task.haystack, data_dir, task.get("qa_data"))
     if cfg.method.get("calibration") and needs_model(cfg):  # a modelled run binds nothing: reads no calibration
         out["calibration"] = corpora.identity(cfg.method.calibration, cfg.method.get("calib_data_dir"))
+        if cfg.method.get("column_calibration"):  # InfiniGen's partial columns' own text (absent: calibration's)
+            out["column_calibration"] = corpora.identity(cfg.method.column_calibration, cfg.method.get("calib_data_dir"))
     return out
 
 

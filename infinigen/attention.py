@@ -69,12 +69,14 @@ def _flash_kernel(device: torch.device):
 
 def attend_fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, causal: bool = False,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attend` through torch's fused SDPA kernel: q (b, h, t, d); k, v (b, h_kv, s, d); keep (b|1, h_kv|1, t, s)
-    bool or None (every entry, or with `causal` the causal prefix of t == s rows). KV heads are never repeated:
-    a per-KV-head mask is applied with the g query heads of each KV head folded into one batch entry.
-    Returns out (b, h, t, d) and each row's log-sum-exp of its attended logits (b, h, t), where the device's
-    kernel gives it (CPU), else None."""
+    bool or None (every entry, or with `causal` the causal prefix of t == s rows); shift (b|1, h_kv|1, t) added to
+    every kept logit of a row, as `attend`'s (needs keep). KV heads are never repeated: a per-KV-head mask is
+    applied with the g query heads of each KV head folded into one batch entry.
+    Returns out (b, h, t, d) and each row's log-sum-exp of its attended logits (shift included) (b, h, t), where
+    the device's kernel gives it (CPU), else None."""
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     g = h // hk
@@ -83,8 +85,9 @@ def attend_fused(
         # 0 where kept, the dtype's finite minimum elsewhere (as eager's masked_fill): a row with nothing to
         # attend is then uniform over every entry, as in eager, instead of NaN
         zero, low = (torch.tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, torch.finfo(q.dtype).min))
-        bias = torch.where(keep, zero, low)  # one pass
-        fold = keep.shape[1] > 1 and g > 1
+        kept = zero if shift is None else shift.to(q.dtype)[..., None]  # (b|1, h_kv|1, t, 1)
+        bias = torch.where(keep, kept, low)  # one pass
+        fold = bias.shape[1] > 1 and g > 1
     if fold:  # (b*hk, g, t, d) queries against (b*hk, 1, s, d): the mask broadcasts over the g heads
         q, k, v = q.reshape(b * hk, g, t, d), k.reshape(b * hk, 1, s, d), v.reshape(b * hk, 1, s, d)
         bias = bias.expand(b, hk, t, s).reshape(b * hk, 1, t, s)

@@ -7,7 +7,8 @@ A corpus is named by one string, `task.dataset` (or `method.calibration`):
   infinigen/data/, else the HF hub), tokenised the way the InfiniGen artifact does (see ../shared/data/SOURCES.md):
   `wikitext2` (WikiText-2 raw, test split), `ptb` (Penn Treebank, **validation** split, as InfiniGen),
   `ptb_test` (Penn Treebank, test split: needs `ptb/ptb.test.txt`), `pg19` (PG-19's first book, the text
-  InfiniGen calibrates on; public domain, shipped with the package: infinigen/data/README.md);
+  InfiniGen calibrates on; public domain, shipped with the package: infinigen/data/README.md), `infinigen_prompt`
+  (the InfiniGen artifact's partial-weight prompt, read verbatim: what `method.column_calibration` can name);
 * `file:PATH`: a UTF-8 text file, read verbatim (newlines normalised to "\\n"; a relative PATH is taken from
   the current directory);
 * `hf:PATH/CONFIG/SPLIT/COLUMN[@REVISION]`: a hub dataset's column, rows joined by a blank line ("\\n\\n", as
@@ -32,6 +33,9 @@ CORPORA = {
     "ptb": ("ptb/ptb.valid.txt", ("ptb_text_only", "penn_treebank", "validation", "sentence")),
     "ptb_test": ("ptb/ptb.test.txt", ("ptb_text_only", "penn_treebank", "test", "sentence")),
     "pg19": ("pg19/pg19_firstbook.txt", None),
+    # the InfiniGen artifact's partial-weight prompt (six COPA-style sentences, setup/gen_partial_weight.py; provenance:
+    # the data folder's SOURCES.md): what its partial columns are calibrated on. Only in a data_dir
+    "infinigen_prompt": ("infinigen_artifact/partial_weight_prompt.txt", None),
 }
 # the files a pip install ships, laid out as in a data_dir: read when no data_dir is set (a method's default text
 # runs without a data folder), byte-identical to the data_dir copies, so either gives the same identity

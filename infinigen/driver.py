@@ -30,7 +30,7 @@ import torch
 
 from infinigen.adapter import AttentionLayer, KVStore, Session
 from infinigen.attention import attend, attend_fused, sim_attend
-from infinigen.rows import chunk_allowed, full_past, in_window, keep_mask, row_chunks
+from infinigen.rows import chunk_allowed, count_true, full_past, in_window, keep_mask, row_chunks
 from infinigen.stats import KVStats
 
 
@@ -92,8 +92,8 @@ class MethodDriver:
             session.chunk = (offset + r0, offset + r1)
             e = allowed_c.shape[-1]
             keep = self.sim_keep(session, layer, state, rows, e)
-            dense = (rows < session.dense_rows).view(1, 1, -1, 1)
-            keep = allowed_c if keep is None else allowed_c & (keep | dense)
+            # no chunk straddles dense_rows: its rows are all prompt rows (dense) or all decoded ones
+            keep = allowed_c if keep is None or offset + r1 <= session.dense_rows else allowed_c & keep
             kc, vc = self.sim_kv(session, layer, state, k[:, :, :e], v[:, :, :e], rows)
             outs.append(sim_attend(session, q[:, :, r0:r1], kc, vc, keep, layer.logit_scale))
             self.record_sim(session, layer, keep, allowed_c, rows, start=offset + r0)
@@ -171,8 +171,8 @@ class MethodDriver:
             first = min(max(session.dense_rows - start, 0), rows.numel())
         if first == rows.numel():
             return
-        attended = keep[:, :, first:].sum(-1, dtype=torch.int32).float()  # (b|1, h_kv|1, rows)
-        causal = allowed[:, :, first:].sum(-1, dtype=torch.int32).float()
+        attended = count_true(keep[:, :, first:]).float()  # (b|1, h_kv|1, rows)
+        causal = count_true(allowed[:, :, first:]).float()
         batch = session.attn_inputs[layer.index].shape[0]  # keep/allowed may be broadcast over the batch
         attended = attended.expand(batch, layer.num_kv_heads if keep.shape[1] == 1 else keep.shape[1], -1)
         self.stats.add(layer.index, "kv_fraction", attended / causal.clamp(min=1))

@@ -67,6 +67,12 @@ def in_window(layer: AttentionLayer, store: KVStore, position: int, past: int | 
     return (store.positions if past is None else store.positions[..., :past]) >= start
 
 
+def count_true(mask: torch.Tensor) -> torch.Tensor:
+    """(..., n) bool -> (...,) int32: how many are True, summed as bytes (torch's bool sum takes a kernel ~1.5x
+    slower on CPU; the count is the same)."""
+    return mask.view(torch.uint8).sum(-1, dtype=torch.int32)
+
+
 def keep_mask(idx: torch.Tensor, valid: torch.Tensor, past: int) -> torch.Tensor:
     """(..., k) selected entries -> (..., past) bool: a column past collects the unkept ones, so duplicates
     among them never race a kept entry's write."""

@@ -20,7 +20,7 @@ MOVED_TARGETS = {"infinigen.method.infinigen.InfiniGen": "infinigen.infinigen_me
 # method options added after rows were stored, with the value that means the behaviour from before they existed:
 # at that value a run computes what a row without the key did, so the key is left out (the stored rows stay valid)
 LATER_METHOD_OPTIONS = {"budget_tokens": None, "qk_norm": "rms", "budget_of": "prefix", "threshold_head": "own",
-                        "current_token": "kept", "column_count": "round", "column_tokens": None,
+                        "current_token": "kept", "column_count": "round", "column_tokens": None, "column_calibration": None,
                         "heavy_hitters": "cache", "dense_layers": 0}
 # the same for task options (the latency task's schedule of the performance model: infinigen/offload/paper.py)
 LATER_TASK_OPTIONS = {"schedule": "overlapped", "paper": {}, "skip_windows": 0}

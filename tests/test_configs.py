@@ -139,7 +139,10 @@ def test_every_point_composes(point):
     target = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())["_target_"]
     prompt = ["task.dense_rows=512"] if get_class(target).needs_prompt else []  # e.g. ShadowKV compresses one
     cfg = compose_cfg(["+point=" + point, *prompt])
-    assert identity.method_name(cfg) == method
+    # the conf/method a run's rows are called by (run.py: Hydra's choice; infinigen_reference shares its _target_)
+    assert compose_cfg(["+point=" + point, *prompt], hydra=True).hydra.runtime.choices.method == method
+    if method not in ("infinigen_reference", "h2o_reference"):
+        assert identity.method_name(cfg) == method
     for key, value in (spec.get("method") or {}).items():
         assert cfg.method[key] == value, (point, key)
     validation.validate(cfg)
@@ -308,6 +311,36 @@ def test_missing_data_file_fails_before_any_model_load(tmp_path):
         runner.run(run_cfg([f"data_dir={empty}"], tmp_path))
     with pytest.raises(cli_errors.UserError, match="not a directory"):
         runner.run(run_cfg([f"data_dir={tmp_path / 'nowhere'}"], tmp_path))
+
+
+def test_missing_column_calibration_text_fails_before_any_model_load(tmp_path):
+    """InfiniGen's column_calibration (the artifact's partial-weight prompt, issue 72) is a data file like the
+    calibration text: a data folder without it is refused naming the option and the file, before the model loads;
+    the folder that has it gets as far as the load."""
+    partial = tmp_path / "data"
+    partial.mkdir()
+    for name in ("wikitext-2", "pg19"):
+        (partial / name).symlink_to(Path(DATA_DIR).resolve() / name)
+    prompt = ["method=infinigen_reference", "method.column_calibration=infinigen_prompt", "method.column_tokens=null"]
+    with pytest.raises(cli_errors.UserError, match=r"column_calibration.*partial_weight_prompt\.txt"):
+        runner.run(run_cfg([f"data_dir={partial}", *prompt], tmp_path))
+    if (Path(DATA_DIR) / "infinigen_artifact" / "partial_weight_prompt.txt").is_file():
+        with pytest.raises(ModelLoaded):
+            runner.run(run_cfg(prompt, tmp_path))
+
+
+def test_column_calibration_at_null_keeps_every_hash_and_keys_the_run_when_set():
+    """A null column_calibration is the behaviour from before the option: the config hash leaves it out (the stored
+    rows keep matching); set, it changes the hash and its text's identity is part of the row's data."""
+    base = compose_cfg(["model=smollm2-135m", "method=infinigen_reference", "task=ppl"])
+    assert base.method.column_calibration is None and "column_calibration" not in identity.data_identity(base)
+    if not (Path(DATA_DIR) / "infinigen_artifact" / "partial_weight_prompt.txt").is_file():
+        pytest.skip("the data folder has no infinigen_artifact/partial_weight_prompt.txt")
+    point = compose_cfg(["model=smollm2-135m", "+point=infinigen_reference_artifact_prompt", "task=ppl"])
+    assert point.method.column_calibration == "infinigen_prompt" and point.method.column_tokens is None
+    assert identity.config_hash(point) != identity.config_hash(base)
+    assert identity.data_identity(point)["column_calibration"]["sha256"] == (
+        "484327ad1f9b5d2aacb95e6d61cc4647e29f21f2b24efb799c9c1a53d6a7fd04")
 
 
 @pytest.mark.parametrize("overrides", [["task.sequence_length=64"], ["method=nonexistent"], ["model=gpt-5"],

@@ -114,7 +114,7 @@ def test_bad_corpus_files_fail_before_the_model_loads(content, message, tmp_path
 @pytest.mark.parametrize("dataset,error,message", [
     ("file:/no/such/corpus.txt", UserError, r"corpus file /no/such/corpus.txt .* not found"),
     ("ptb_test", UserError, r"dataset 'ptb_test' needs .*ptb/ptb.test.txt"),
-    ("ptbb", ValueError, r"unknown dataset 'ptbb'; choose one of \['pg19', 'ptb', 'ptb_test', 'wikitext2'\]"),
+    ("ptbb", ValueError, r"unknown dataset 'ptbb'; choose one of \['infinigen_prompt', 'pg19', 'ptb', 'ptb_test', 'wikitext2'\]"),
     ("hf:wikitext/test/text", ValueError, r"must read 'hf:PATH/CONFIG/SPLIT/COLUMN"),
     ("file:", ValueError, r"names no file"),
 ])

@@ -129,8 +129,45 @@ def test_full_attention_keeps_everything_on_both_axes():
     assert summary["retain"] == pytest.approx(1.0)
 
 
+def test_column_calibration_calibrates_the_columns_on_its_own_text_and_keys_the_skew_cache(tmp_path):
+    """column_calibration (issue 72): the skew still from `calibration`, the partial columns from a forward over the
+    other text's ids (tokenised whole, up to column_tokens), and the text's content keys the skew cache."""
+    from infinigen.method import skew
+    from infinigen.method.skew import capture_qk, top_columns
+
+    model, _ = load_model("tiny-llama", "float64")
+    skew._DONE.pop(model, None)  # both skews from this model as it is now (an earlier test may have cast it)
+    texts = [tmp_path / f"columns_{i}.txt" for i in range(2)]
+    texts[0].write_text("The bartender refused to serve the patron because the patron was drunk. " * 3)
+    texts[1].write_text("I tossed the ball upwards therefore the ball hit the ceiling, twice. " * 3)
+    cache = str(tmp_path / "skew")
+    plain = method_from_conf("infinigen_reference", cache_dir=cache)
+    modes.sim_hidden(model, plain, sample_ids("tiny-llama", 16))
+    before = set((tmp_path / "skew").glob("skew-*.pt"))
+    for text in texts:
+        method = method_from_conf("infinigen_reference", column_calibration=f"file:{text}", column_tokens=None,
+                                  cache_dir=cache)
+        method.check_data()
+        ids = method._column_ids(model)
+        assert torch.equal(ids[0], adapter.encode(None, text.read_text(), model.config.vocab_size))
+        modes.sim_hidden(model, method, sample_ids("tiny-llama", 16))
+        for i, (q, k) in enumerate(capture_qk(model, ids)):  # every layer (the columns of all are calibrated)
+            A = method.skewing.rotations[i].to(q.dtype)
+            assert torch.equal(A, plain.skewing.rotations[i].to(q.dtype))  # the skew: calibration's, unchanged
+            r = int(method.partial_ratio * q.shape[-1])  # floor
+            qs, ks = torch.einsum("htd,hde->hte", q, A), torch.einsum("htd,hde->hte", k, A)
+            want = torch.maximum(top_columns(qs.abs().sum(1), r), top_columns(ks.abs().sum(1), r))
+            assert torch.equal(method.skewing.columns[i].to(want.dtype), want)
+    assert len(set((tmp_path / "skew").glob("skew-*.pt")) - before) == 2  # one cache file per column text
+    capped = method_from_conf("infinigen_reference", column_calibration=f"file:{texts[0]}", column_tokens=40)
+    assert capped._column_ids(model).shape == (1, 40)
+    missing = method_from_conf("infinigen_reference", column_calibration=f"file:{tmp_path / 'absent.txt'}")
+    with pytest.raises(FileNotFoundError, match="column_calibration.*absent.txt"):
+        missing.check_data()
+
+
 @pytest.mark.parametrize("bad", [{"budget_of": "window"}, {"threshold_head": "last"}, {"current_token": "maybe"},
-                                 {"column_count": "ceil"}, {"column_tokens": 0}])
+                                 {"column_count": "ceil"}, {"column_tokens": 0}, {"column_calibration": ""}])
 def test_bad_reference_options_are_refused(bad):
     with pytest.raises(Exception, match=next(iter(bad))):
         method_from_conf("infinigen", **bad)

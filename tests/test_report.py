@@ -1,5 +1,5 @@
 """The reproduction report (issue 21): `make report` regenerates the committed docs/results.md, its figures and the
-README's headline paragraph from docs/store alone, byte for byte; a stored row whose config no longer matches what
+README's headline from docs/store alone, byte for byte; a stored row whose config no longer matches what
 its command composes is reported stale and left out; `analysis.store export` copies runs without per-prompt
 detail; the README stays a guide (<= 350 lines, no pasted result tables)."""
 
@@ -64,9 +64,47 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
     for name, text in made.items():
         assert text == blocks[name], f"README block {name} differs from docs/store: make report"
     numbers = re.findall(r"\d+\.\d+", blocks["headline"])
-    assert numbers, "the headline paragraph quotes no number"
+    assert numbers, "the headline quotes no number"
     results = (DOCS / "results.md").read_text()
     assert all(n in results for n in numbers)
+
+
+def test_results_md_opens_with_its_summary_and_ends_with_its_bookkeeping():
+    """Issue 71: a reader meets the findings first. The page's first section and first table are the summary; how the
+    report is made and the stale rows it leaves out are its last sections."""
+    text = (DOCS / "results.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[0] == "Summary", sections[:3]
+    assert sections[-2:] == ["How this report is made", "Stale rows"], sections[-3:]
+    first_table = next(i for i, line in enumerate(text.splitlines()) if line.startswith("|"))
+    assert text.splitlines()[first_table] == "| claim | model | verdict | key number (95% interval) | section |"
+    assert text.index("## Summary") < text.index("\n| claim | model |") < text.index("\n## ", text.index("## Summary"))
+
+
+def test_readme_headline_is_one_screen_of_a_table_and_a_figure():
+    """Issue 71: the README's headline is a claim x model table, each cell the verdict and key number linking that
+    claim's section of docs/results.md, and one figure of docs/report/; it fits one screen (<= 25 lines)."""
+    block = {m.group(2): m.group(3) for m in render.BLOCK.finditer((ROOT / "README.md").read_text())}["headline"]
+    lines = block.splitlines()
+    assert len(lines) <= render.HEADLINE_LINES == 25, len(lines)
+    table = [line for line in lines if line.startswith("|")]
+    assert table[0].startswith("| the paper's claim") and table[1].startswith("|---|")
+    models = [c.strip() for c in table[0].strip("|").split("|")][1:]
+    assert models == ["smollm2-135m", "gemma3-270m"]
+    results = (DOCS / "results.md").read_text()
+    anchors = {render.anchor(t) for t in re.findall(r"^## (.+)$", results, re.M)}
+    for row in table[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 1 + len(models) and re.match(r"C\d", cells[0]), row
+        for cell in cells[1:]:
+            if cell == "-":
+                continue
+            got = re.fullmatch(r"\[(holds|\*\*does not hold\*\*|cannot be shown at this n|not measured)(: .+)?\]"
+                               r"\(docs/results\.md#([\w-]+)\)", cell)
+            assert got and got.group(3) in anchors, cell
+    figures_ = re.findall(r"!\[[^]]*\]\((docs/report/[\w-]+\.png)\)", block)
+    assert len(figures_) == 1 and (ROOT / figures_[0]).exists(), figures_
+    assert "beyond the paper" not in "\n".join(table), "the harness's variants stay in docs/results.md's summary"
 
 
 def test_readme_is_a_guide():
@@ -95,7 +133,7 @@ def test_a_row_whose_config_changed_is_reported_stale_and_left_out(tmp_path, reg
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = regenerate(tmp_path / "gen", copy, figures=False)
     text = (out / "results.md").read_text()
-    stale = text.split("## Stale rows", 1)[1].split("## Summary", 1)[0]
+    stale = text.split("\n## Stale rows\n", 1)[1]  # the page's last section
     assert f"`{path.name}`" in stale and "method.alpha: row" in stale
     counts = lambda t: [int(n) for n in re.findall(r"^(\d+) of \d+ configs in the store", t, re.M)]  # noqa: E731
     assert sum(counts(text)) < sum(counts((regenerated / "results.md").read_text()))

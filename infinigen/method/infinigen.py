@@ -86,6 +86,10 @@ class InfiniGen(SelectiveAttention):
     calib_tokens: int = 2048
     column_count: str = "round"  # round | floor: partial_ratio x head_dim as a column count (the artifact: floor)
     column_tokens: int | None = None  # partial columns from the first N calibration tokens (None: all calib_tokens)
+    # the partial columns' own text, a corpus spec as `calibration` takes (None: `calibration`'s tokens); the skew
+    # stays on `calibration`. Tokenised whole (the tokenizer's default special tokens), up to column_tokens and the
+    # model's positions: the artifact calibrates its columns on a prompt of its own (setup/gen_partial_weight.py)
+    column_calibration: str | None = None
     calib_data_dir: str | None = None
     cache_dir: str | None = ".cache/infinigen"
 
@@ -109,7 +113,13 @@ class InfiniGen(SelectiveAttention):
             raise ValueError(f"calib_tokens must be >= 16, got {self.calib_tokens}")
         if self.column_count not in COLUMN_COUNTS:
             raise ValueError(f"column_count must be one of {tuple(COLUMN_COUNTS)}, got {self.column_count!r}")
-        if self.column_tokens is not None and not 1 <= self.column_tokens <= self.calib_tokens:
+        if self.column_calibration is not None:
+            if not isinstance(self.column_calibration, str) or not self.column_calibration.strip():
+                raise ValueError("column_calibration must be null or a corpus spec (as calibration takes), got "
+                                 f"{self.column_calibration!r}")
+            if self.column_tokens is not None and self.column_tokens < 1:
+                raise ValueError(f"column_tokens must be null or >= 1, got {self.column_tokens!r}")
+        elif self.column_tokens is not None and not 1 <= self.column_tokens <= self.calib_tokens:
             raise ValueError(f"column_tokens must be null or in 1..calib_tokens ({self.calib_tokens}), got "
                              f"{self.column_tokens!r}")
         if self.capture not in CAPTURE:
@@ -126,6 +136,11 @@ class InfiniGen(SelectiveAttention):
 
     def check_data(self) -> None:
         check_dataset(self.calibration, self.calib_data_dir)
+        if self.column_calibration is not None:
+            try:
+                check_dataset(self.column_calibration, self.calib_data_dir)
+            except (OSError, ValueError) as err:
+                raise type(err)(f"column_calibration (the partial columns' text): {err}") from None
 
     @property
     def captures(self) -> tuple[str, ...]:
@@ -149,11 +164,16 @@ class InfiniGen(SelectiveAttention):
         # the calibration text's content (not its folder) keys the skew cache: other text, other rotations
         settings["calibration_data"] = (RANDOM_CALIBRATION if self._random_calibration
                                         else without_paths(identity(self.calibration, self.calib_data_dir)))
+        columns = self.column_calibration if not self._random_calibration else None
+        if columns is not None:  # keys only where set: the caches written before the option keep their names
+            settings["column_calibration"] = columns
+            settings["column_calibration_data"] = without_paths(identity(columns, self.calib_data_dir))
         settings = json.dumps(settings, sort_keys=True)
         self.skewing = calibrate(
             model, lambda: self._calibration_ids(model), skew=self.skew, partial_ratio=self.partial_ratio,
             partial_select=self.partial_select, cache_dir=self.cache_dir, settings=settings,
             column_count=self.column_count, column_tokens=self.column_tokens,
+            column_ids=None if columns is None else lambda: self._column_ids(model),
         )
         self._projections = [partial_projection(self.skewing, i, layer.head_dim) for i, layer in enumerate(session.layers)]
         self._repeated = {}
@@ -165,11 +185,23 @@ class InfiniGen(SelectiveAttention):
         if self._random_calibration:
             gen = torch.Generator().manual_seed(0)
             return torch.randint(0, model.config.vocab_size, (1, limit), generator=gen).to(model.device)
+        return self._text_ids(model, self.calibration, limit)
+
+    def _column_ids(self, model) -> torch.Tensor:
+        """(1, n): the column_calibration text's ids, tokenised whole as the artifact tokenises its prompt (the
+        tokenizer's default special tokens: a BOS where the tokenizer adds one), up to column_tokens and the
+        model's positions."""
+        limits = [n for n in (self.column_tokens, getattr(model.config, "max_position_embeddings", None)) if n]
+        limit = min(limits) if limits else None
+        return self._text_ids(model, self.column_calibration, limit)
+
+    def _text_ids(self, model, spec: str, limit: int | None) -> torch.Tensor:
+        """(1, n): the first `limit` ids (None: all) of the corpus `spec` through the model's tokenizer."""
         tokenizer = tokenizer_of(model)
         if tokenizer is None and not reads_bytes(model):
-            raise ValueError(f"InfiniGen calibrates on text ({self.calibration}): this model was not loaded by "
+            raise ValueError(f"InfiniGen calibrates on text ({spec}): this model was not loaded by "
                              "infinigen.load_model, so pass its tokenizer (infinigen.apply / generate(..., tokenizer=))")
-        ids = encode(tokenizer, corpus_text(self.calibration, self.calib_data_dir), model.config.vocab_size)
+        ids = encode(tokenizer, corpus_text(spec, self.calib_data_dir), model.config.vocab_size)
         return ids[:limit][None].to(model.device)
 
     def stand_in(self) -> "InfiniGen":

@@ -118,12 +118,14 @@ COLUMN_COUNTS = {"round": round, "floor": int}  # partial columns per head from 
 
 
 def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, partial_ratio: float, partial_select: str,
-              cache_dir: str | None, settings: str, column_count: str = "round", column_tokens: int | None = None) -> Skew:
+              cache_dir: str | None, settings: str, column_count: str = "round", column_tokens: int | None = None,
+              column_ids: Callable[[], torch.Tensor] | None = None) -> Skew:
     """Skew + partial columns for every layer of `model`, cached in memory per model and on disk by weights.
 
     The skew comes from the calibration ids; the partial columns from the same forward, or (column_tokens) from a
-    forward over their first column_tokens only (the InfiniGen artifact calibrates its skew on 2,048 tokens of PG-19
-    and its columns on a ~100-token prompt: setup/gen_llama_skewing_matrix.py, setup/gen_partial_weight.py).
+    forward over their first column_tokens only, or (column_ids) from a forward over other ids, a text of their own
+    (the InfiniGen artifact calibrates its skew on 2,048 tokens of PG-19 and its columns on a ~100-token prompt:
+    setup/gen_llama_skewing_matrix.py, setup/gen_partial_weight.py). `settings` must key whatever they came from.
     column_count: how partial_ratio x head_dim becomes a count, "round" or "floor" (the artifact's int())."""
     per_model = _DONE.setdefault(model, {})
     if settings in per_model:
@@ -137,7 +139,10 @@ def calibrate(model, input_ids: Callable[[], torch.Tensor], *, skew: bool, parti
         rotations, columns = [], []
         ids = input_ids()
         captured = capture_qk(model, ids)
-        shorter = capture_qk(model, ids[:, :column_tokens]) if column_tokens else captured
+        if column_ids is not None:
+            shorter = capture_qk(model, column_ids())
+        else:
+            shorter = capture_qk(model, ids[:, :column_tokens]) if column_tokens else captured
         for layer, (q, k), (qc, kc) in zip(layers, captured, shorter):
             A = rotation(q, layer.groups) if skew else torch.eye(layer.head_dim).expand(layer.num_kv_heads, -1, -1)
             hk, g, d = layer.num_kv_heads, layer.groups, layer.head_dim

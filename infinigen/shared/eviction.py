@@ -118,7 +118,13 @@ class Replay:
         a, z = rows.start, rows.stop
         r, c = z - a, out.shape[-1]
         qb = self.qr[:, :, a:z].reshape(self.n, r * self.g, -1)  # (N, r x g, d)
-        out.copy_((torch.bmm(qb, self.kk[:, :c].transpose(1, 2)) * self.scale).view(self.n, r, self.g, c))
+        if qb.dtype == torch.float32 and out.dtype == torch.float32:
+            # written in place with the scale as the product's alpha: the same float32 values as product x scale
+            # (one rounding each), without a (N, r x g, c) temporary, its scaled copy and the copy into the block
+            torch.baddbmm(out.view(self.n, r * self.g, c), qb, self.kk[:, :c].transpose(1, 2), beta=0,
+                          alpha=self.scale, out=out.view(self.n, r * self.g, c))
+        else:  # a half-precision product rounds to its dtype before the scale: as the decode step computes it
+            out.copy_((torch.bmm(qb, self.kk[:, :c].transpose(1, 2)) * self.scale).view(self.n, r, self.g, c))
         future = torch.ones(r, r, dtype=torch.bool, device=out.device).triu_(1)  # key a + j after row a + i
         out[..., a:c].masked_fill_(future[None, :, None, :], NEG)
         if self.window is not None and z - self.window > 0:  # some row's window starts after key 0

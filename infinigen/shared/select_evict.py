@@ -12,7 +12,7 @@ import math
 import torch
 
 from infinigen.adapter import AttentionLayer, Session
-from infinigen.rows import full_past
+from infinigen.rows import count_true, full_past
 
 GQA_REDUCE = ("prob_sum", "logit_max", "logit_mean")
 EVICTION = ("counter", "lru", "fifo")
@@ -90,14 +90,14 @@ def rank(
         tail = ~candidates[..., first:]  # (b, hk, r, L - first)
         # finite, so a row without candidates stays NaN-free; the scores' own dtype's (float32 in a half model)
         masked[..., first:].masked_fill_(tail.unsqueeze(2), torch.finfo(masked.dtype).min)  # (b, hk, g, r, L)
-        held = first + (~tail).sum(-1, dtype=torch.int32).long()  # (b, hk, r)
+        held = first + count_true(~tail).long()  # (b, hk, r)
     if math.isinf(alpha):
         n = None
     else:
         top = masked.amax(-1, keepdim=True)  # (b, hk, g, r, 1)
         if threshold_head == "first":
             top = top[:, :1, :1]  # (b, 1, 1, r, 1): the first query head's max, for every head
-        count = (masked > top - alpha).sum(-1, dtype=torch.int32)  # (b, hk, g, r); masked entries never count
+        count = count_true(masked > top - alpha)  # (b, hk, g, r); masked entries never count
         n = count.sum(dim=(1, 2)) // (hk * scores.shape[2])  # the floor of the mean over heads, in integers
     if isinstance(cap, int):  # one row, every entry a candidate: the caps are host numbers
         limit = min(cap, L)
@@ -153,7 +153,8 @@ def _oldest_of_least(primary: torch.Tensor, positions: torch.Tensor, eligible: t
 
 
 def victim(positions, counts, last_used, valid, policy: str) -> torch.Tensor:
-    """Index (b, hk) of the pool entry to evict, per KV head. All inputs (b, hk, L); valid marks pool entries.
+    """Index (b, hk) of the pool entry to evict, per KV head. All inputs (b, hk, L); valid marks pool entries;
+    positions ascend along L (sim mode's pool is in position order, and a store keeps its entries in it).
 
     counter: the least-fetched entry among the older half of the pool (ties: the oldest);
     lru: the entry fetched longest ago (never-fetched entries count from their insertion);
@@ -164,10 +165,11 @@ def victim(positions, counts, last_used, valid, policy: str) -> torch.Tensor:
     if policy == "lru":
         return _oldest_of_least(last_used, positions, valid)
     if policy == "counter":
-        size = valid.sum(-1, keepdim=True)  # (b, hk, 1)
-        big = torch.iinfo(torch.long).max
-        age_rank = positions.masked_fill(~valid, big).argsort(-1).argsort(-1)  # 0 = oldest
-        return _oldest_of_least(counts, positions, valid & (age_rank < (size + 1) // 2))
+        # the older half: positions ascend, so an entry's age rank among the pool's is the count of entries
+        # up to it (a running sum, not two sorts per eviction)
+        held = valid.cumsum(-1)  # (b, hk, L): entries up to and including each
+        older = held <= (held[..., -1:] + 1) // 2
+        return _oldest_of_least(counts, positions, valid & older)
     raise ValueError(f"eviction must be one of {EVICTION}, got {policy!r}")
 
 

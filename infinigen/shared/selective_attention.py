@@ -41,7 +41,7 @@ from infinigen.adapter import AttentionLayer, KVStore, Session
 from infinigen.attention import attend, attend_fused, grouped_matmul, score_dtype, selection_logits
 from infinigen.budget import check_budget
 from infinigen.contract import GatheringMethod
-from infinigen.rows import full_past, in_window, keep_mask, row_chunks
+from infinigen.rows import count_true, full_past, in_window, keep_mask, row_chunks
 from infinigen.shared.select_evict import (EVICTION, GQA_REDUCE, RowCaps, cap_of, pool_limit, rank, select,
                                            sequence_cap, top_k, victim)
 from infinigen.shared.step import StaticStep
@@ -183,7 +183,8 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         if self.track_recall and pool is None and session.plain_causal and session.attention == "fused":
             causal_lse = attend_fused(q, k, v, None, layer.logit_scale, causal=True)[1]  # (b, h, t) or None
         outs = []
-        for r0, r1 in row_chunks(t):  # each chunk against the keys its rows can see (half the work)
+        # each chunk against the keys its rows can see (half the work); a capped pool's free rows apart (`free_until`)
+        for r0, r1 in row_chunks(t, 0 if pool is None else pool["free_until"]):
             outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse))
         return torch.cat(outs, dim=2)
 
@@ -197,13 +198,15 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         candidates = allowed if ranked else allowed & ~diag
         scores = grouped_matmul(qs[:, :, :, r0:r1], ks[:, :, :r1])  # (b, hk, g, r, s)
         past = full_past(layer, rows)  # (r,) entries before each row that the model's attention sees
-        if pool is None:
+        if pool is None or r1 <= pool["free_until"]:
             # a plain causal chunk's rows all see its first r0 columns; the widest cap is the last row's
             first = r0 if session.plain_causal else None
             width = min(r1, self.row_cap(session, layer, full_past(layer, r1 - 1)) + ranked)
             keep, n = select(scores, candidates, self.row_caps(session, layer, past), self.alpha, self.gqa_reduce,
                              width=width, first=first, threshold_head=self.threshold_head)
             held = candidates
+            if pool is not None and r1 > session.dense_rows:
+                self._sim_pool_fill(session, pool, keep & ~diag if ranked else keep, rows, r0, r1)
         else:
             session.chunk = (r0, r1)  # the rows as host ints: the pool's row loop branches on them
             keep, n, held = self._sim_pool_rows(session, layer, scores, candidates, rows, pool, diag)
@@ -215,16 +218,14 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         keep = allowed & (selected | every.view(1, 1, -1, 1) | (False if empty is None else empty[:, None, :, None]))
         first = min(max(session.dense_rows - r0, 0), r1 - r0)  # rows ascend: the chunk's dense rows come first
         qc, kc, vc = q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1]
-        if empty is not None:  # the artifact's additive mask: an empty row's logits all shifted by EMPTY_SHIFT
-            shift = empty[:, None, :].to(q.dtype) * EMPTY_SHIFT  # (b, 1, r)
+        shift = None if empty is None else empty[:, None, :].to(q.dtype) * EMPTY_SHIFT  # (b, 1, r): the artifact's
+        if session.attention == "exact":
             out, lse = attend(qc, kc, vc, keep, layer.logit_scale, shift=shift)[0], None
-        elif session.attention == "exact":
-            out, lse = attend(qc, kc, vc, keep, layer.logit_scale)[0], None
         else:
-            out, lse = attend_fused(qc, kc, vc, keep, layer.logit_scale)  # lse (b, h, r) or None
+            out, lse = attend_fused(qc, kc, vc, keep, layer.logit_scale, shift=shift)  # lse (b, h, r) or None
         if first < r1 - r0:
             self.record_sim(session, layer, keep, allowed, rows, start=r0, kept=None if empty is None else
-                            keep.sum(-1, dtype=torch.int32).float().masked_fill_(empty[:, None], 0))
+                            count_true(keep).float().masked_fill_(empty[:, None], 0))
             self.stats.add(layer.index, "selected", n[:, first:])
             if self.track_recall:
                 if lse is None:  # the exact kernel, or a device whose fused kernel gives no log-sum-exp
@@ -233,7 +234,9 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
                 else:  # kept mass / held mass = exp(lse_kept - lse_held), per query head and row
                     held_lse = (causal_lse[:, :, r0:r1] if causal_lse is not None
                                 else attend_fused(qc, kc, vc, (held | diag) & allowed, layer.logit_scale)[1])
-                    self.stats.add(layer.index, "recall", (lse - held_lse)[:, :, first:].exp())
+                    recall = (lse - held_lse).exp()  # (b, h, r); an empty row (its lse shifted) attends all it holds
+                    recall = recall if empty is None else recall.masked_fill(empty[:, None], 1.0)
+                    self.stats.add(layer.index, "recall", recall[:, :, first:])
         return out
 
     def _sim_pool_state(self, session, b, hk, s, limit, dev) -> dict:
@@ -247,16 +250,29 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
             "last": positions.clone(),
         }
         self._evict_to(state)  # a prompt longer than the pool is trimmed right after the prefill
+        # rows before the first eviction see every entry before them: selected at once (`_sim_pool_fill`)
+        state["free_until"] = min(s, session.dense_rows + limit - state["size"])
         return state
+
+    def _sim_pool_fill(self, session, pool, fetched, rows, r0: int, r1: int) -> None:
+        """The pool after rows r0..r1-1 (`rows`) that evict nothing fetched `fetched` (b, hk, r, s), as the row loop
+        leaves it: counts summed, each entry's last use its latest fetching row (the prompt's rows fetch nothing)."""
+        d0 = max(session.dense_rows, r0)  # the first decoded row (< r1)
+        fetched, s = fetched[:, :, d0 - r0 :], fetched.shape[-1]  # (b, hk, decoded rows, s)
+        pool["counts"][..., :s] += fetched.sum(2)
+        latest = torch.where(fetched, rows[d0 - r0 :, None], -1).amax(2)  # (b, hk, s); -1: fetched by none of them
+        torch.maximum(pool["last"][..., :s], latest, out=pool["last"][..., :s])
+        pool["in_pool"][..., d0:r1] = True
+        pool["size"] += r1 - d0
 
     def _sim_pool_rows(self, session, layer, scores, candidates, rows, pool, diag):
         """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions.
         The rows' positions come from `session.chunk` (host ints): nothing is read back to branch on."""
         b, hk, g, r, s = scores.shape
         keep = torch.zeros(b, hk, r, s, dtype=torch.bool, device=scores.device)
-        held = torch.zeros_like(keep)
-        n = torch.zeros(b, r, dtype=torch.long, device=scores.device)
+        held, n = torch.zeros_like(keep), torch.zeros(b, r, dtype=torch.long, device=scores.device)
         ranked = self.current_token == "ranked"
+        caps = self.row_caps(session, layer, full_past(layer, rows))  # (r,): each row's, made once
         for i, row in enumerate(range(*session.chunk)):
             if row < session.dense_rows:
                 continue
@@ -264,8 +280,7 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
             if ranked:  # the row itself, not yet in the pool, competes with what the pool holds
                 cand = cand | (candidates[:, :, i] & diag[i])
             width = min(s, self.row_cap(session, layer, full_past(layer, row)) + ranked)
-            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None],
-                            self.row_caps(session, layer, full_past(layer, rows[i : i + 1])), self.alpha,
+            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], caps[i : i + 1], self.alpha,
                             self.gqa_reduce, width=width, first=0,  # the pool's candidates are no prefix: mask all
                             threshold_head=self.threshold_head)
             keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
