@@ -54,7 +54,7 @@ bench: install  ## sim-mode cost of each method (and InfiniGen's capped pool per
 bench-ops: install  ## ops and host syncs per decode step / sim forward of each method (CPU, 30-40 min here; rows into results/; OPS_ARGS=...)
 	$(PY) experiments/bench_ops.py --results results $(OPS_ARGS)
 
-bench-lm-eval: install  ## task=lm_eval at its default batch size vs lm-eval's own HF backend at each batch size: PIQA, 200 docs, 0-shot (prints the ratio)
+bench-lm-eval: install  ## task=lm_eval (full; infinigen) vs lm-eval's own HF backend at each batch size: PIQA, 200 docs, 0- and 5-shot (prints the ratios)
 	$(PY) -m experiments.bench_lm_eval --data-dir $(DATA_DIR)
 
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)

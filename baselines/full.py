@@ -12,3 +12,4 @@ class Full(KVMethod):
     stays on the compute device in the offloading runtime (the no-offload bound); runtime=offload moves it all."""
 
     offload: ClassVar[str] = "resident"
+    prefix_resumable: ClassVar[bool] = True

@@ -95,6 +95,12 @@ class H2O(KVMethod):
             raise ValueError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
         self._length = 0  # budget_of="sequence": the session's longest sequence, read where a session is at hand
 
+    @property
+    def prefix_resumable(self) -> bool:
+        """The replay goes on from a prefix's state (`resumed_state`), unless budgets are fractions of the
+        sequence's length or heavy hitters come from the dense attention mask (h2o_reference)."""
+        return self.budget_of == "prefix" and self.heavy_hitters == "cache"
+
     def dense_layer(self, layer) -> bool:
         return self.dense_layers > 0 and layer.index < self.dense_layers
 
@@ -162,6 +168,8 @@ class H2O(KVMethod):
         if self.heavy_hitters == "mask":
             return self.mask_state(session, layer, q, k, allowed)
         b, hk, s = q.shape[0], k.shape[1], k.shape[2]
+        if s > q.shape[2]:  # rows resumed after a prefix: its forward's state, all of it decoded rows from here
+            return self.resumed_state(session, layer, q, k)
         t, n_dense = self.sim_rows(session, q, k)
         scale = layer.logit_scale
         masked = torch.finfo(q.dtype).min
@@ -181,7 +189,15 @@ class H2O(KVMethod):
                 acc.scatter_(-1, drop, float("inf"))
                 last_row.scatter_(-1, drop, n_dense - 1)
                 held -= n
-        schedule = Schedule(range(n_dense, t))
+        # minus the accumulated attention: evicted -inf, the least attended an argmax
+        return self.replay(session, layer, q, k, acc.neg_(), last_row, held, n_dense)
+
+    def replay(self, session, layer, q, k, state, last_row, held: int, first: int):
+        """The decoded rows first..s-1 (q's rows: the last s - first) through `eviction.Replay`, from `state` (b, h_kv,
+        s: minus the accumulated attention), `last_row` and `held` entries after row first - 1. Leaves them for a
+        forward resuming after this one (`Session.carry`); returns last_row."""
+        b, hk, s = k.shape[0], k.shape[1], k.shape[2]
+        schedule = Schedule(range(first, s))
         for row in schedule.rows:  # host arithmetic only: each row's window start and whether it evicts
             held += 1
             start, n = self.plan(row + 1, held)
@@ -189,11 +205,22 @@ class H2O(KVMethod):
             schedule.add(start, n == 1)
             held -= n
         if schedule.rows:
-            state = acc.neg_().view(b * hk, s)  # minus the accumulated attention: evicted -inf, argmax = least
-            replay = Replay(q, k[:, :, :t], scale, state, last_row.view(b * hk, s), "h2o", self.gqa_reduce,
-                            layer.sliding_window)
+            replay = Replay(q, k, layer.logit_scale, state.view(b * hk, s), last_row.view(b * hk, s), "h2o",
+                            self.gqa_reduce, layer.sliding_window, first=s - q.shape[2])
             self.capture_used = replay.run(schedule, self.capture)  # False off CUDA: the eager replay ran
+        session.carry[layer.index] = {"state": state, "last_row": last_row, "held": held}
         return last_row
+
+    def resumed_state(self, session, layer, q, k):
+        """sim_state of rows resumed after a prefix (`prefix_resumable`): the replay goes on from the prefix's
+        (its entries never evicted, last_row = its length then, attend to the end of this sequence)."""
+        kept = session.carried[layer.index]
+        b, hk, s = k.shape[0], k.shape[1], k.shape[2]
+        p = kept["state"].shape[-1]
+        state = torch.cat([kept["state"], kept["state"].new_zeros(b, hk, s - p)], dim=-1)
+        last_row = torch.cat([kept["last_row"].masked_fill(kept["last_row"] == p, s),
+                              kept["last_row"].new_full((b, hk, s - p), s)], dim=-1)
+        return self.replay(session, layer, q, k, state, last_row, kept["held"], p)
 
     def sim_keep(self, session, layer, last_row, rows, s):
         if last_row is None:  # a dense layer

@@ -19,6 +19,7 @@ class Offload(KVMethod):
     2 * b * h_kv * seen * head_dim * element size."""
 
     offload: ClassVar[str] = "held"
+    prefix_resumable: ClassVar[bool] = True
 
     def decode_attention(self, session, layer, q, store):
         keys, values = store.kv()

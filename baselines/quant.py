@@ -101,6 +101,7 @@ class Quant(KVMethod):
     group_size: int = 64
 
     size_params: ClassVar[tuple[str, ...]] = ("bits",)
+    prefix_resumable: ClassVar[bool] = True
     test_variants: ClassVar[tuple[dict, ...]] = ({"bits": 2},)
 
     def __post_init__(self):

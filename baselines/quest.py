@@ -72,6 +72,7 @@ class Quest(GatheringMethod):
     """
 
     size_params: ClassVar[tuple[str, ...]] = ("budget", "page_size")
+    prefix_resumable: ClassVar[bool] = True
     # the defaults (pages of 16, 2 dense layers) barely act on the tests' 72 tokens and 3 layers
     test_variants: ClassVar[tuple[dict, ...]] = (
         {"page_size": 4, "skip_layers": 0}, {"page_size": 8, "budget": 0.4, "gqa_reduce": "sum", "skip_layers": 1})

@@ -42,6 +42,7 @@ class RandomTopK(GatheringMethod):
 
     speculation_point: ClassVar[str] = "attention_start"
     size_params: ClassVar[tuple[str, ...]] = ("budget",)
+    prefix_resumable: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -28,6 +28,7 @@ class Streaming(KVMethod):
     recent: int | float = 0.2
 
     size_params: ClassVar[tuple[str, ...]] = ("sinks", "recent")
+    prefix_resumable: ClassVar[bool] = True
     test_variants: ClassVar[tuple[dict, ...]] = ({"recent": 32},)
 
     def __post_init__(self):

@@ -12,7 +12,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from experiments.lm_eval_protocols import AUTO, check_protocol, dense_rows_of, requests_per_forward
+from experiments.lm_eval_protocols import AUTO, check_protocol, dense_rows_of, requests_per_forward, shared_prefixes
 from infinigen import adapter, modes
 
 # what lm-eval's HFLM is told when task.batch_size=auto: how many rolling windows / generation prompts it hands over
@@ -66,32 +66,100 @@ class KVMethodLM(HFLM):
         """(log-likelihood, is_greedy) of each (strings, context ids, continuation ids) request, as HFLM scores it:
         the continuation's log-probs from the input rows that predict its tokens. Unlike HFLM, which takes the
         log-softmax of the whole (batch, t, vocab) logits, only those rows go through the LM head, in blocks
-        (`modes.token_logprobs`): memory stays linear in t. Requests are grouped by input length (and, for serving,
-        context length), so every batch is pad-free: neither a method that reads the sequence length
-        (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one int. Requests
-        with the same input share one forward (lm-eval's one-token-continuation logits cache, generalised)."""
+        (`modes.token_logprobs`): memory stays linear in t. Every batch is pad-free: neither a method that reads the
+        sequence length (`session.max_len`) nor its stats see pad rows, and the serving protocol's dense_rows is one
+        int. Requests with the same input share one forward (lm-eval's one-token-continuation logits cache,
+        generalised); under a method whose sim mode resumes after a prefix (`prefix_resumable`), inputs that begin
+        alike (a doc's choices after their context and few-shot examples) share one forward of that prefix
+        (`_score_shared`); the others are scored whole (`_score_whole`)."""
         self.counts["requests"] += len(requests)
-        groups: dict[tuple[int, int], dict[tuple[int, ...], list[int]]] = {}  # (rows, dense_rows) -> input -> requests
+        inputs: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (input, dense_rows) -> its requests
         for i, (_, context_enc, continuation_enc) in enumerate(requests):
             inp = self.model_input(context_enc, continuation_enc)
             dense = dense_rows_of(self.protocol, len(inp), len(continuation_enc), self.dense_rows)
-            groups.setdefault((len(inp), dense), {}).setdefault(inp, []).append(i)
+            inputs.setdefault((inp, dense), []).append(i)
+        groups = self.shared_groups(list(inputs)) if self.method.prefix_resumable else []
+        grouped = {key for _, _, members in groups for key in members}
         out: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm, desc=f"loglikelihood ({self.protocol})") as bar:
-            for (rows, dense), inputs in groups.items():
-                batches = list(inputs.items())
-                size = requests_per_forward(self.batch_option, rows)
-                for b in range(0, len(batches), size):
-                    batch = batches[b : b + size]
-                    inps = torch.tensor([inp for inp, _ in batch], device=self.device)  # (b, t)
-                    hidden = self._hidden_call(inps, dense)  # (b, t, hidden)
-                    where = f"forward {self.counts['forwards']} (batch {tuple(inps.shape)})"
-                    scored = [(i, row) for row, (_, index) in zip(hidden, batch, strict=True) for i in index]
-                    answers = self._score([requests[i] for i, _ in scored], [row for _, row in scored], where)
-                    for (i, _), answer in zip(scored, answers, strict=True):
-                        out[i] = answer
-                    bar.update(len(scored))
+            self._score_whole(requests, {key: index for key, index in inputs.items() if key not in grouped}, out, bar)
+            self._score_shared(requests, [(p, dense, {key: inputs[key] for key in members})
+                                          for p, dense, members in groups], out, bar)
         return out
+
+    @staticmethod
+    def shared_groups(keys: list[tuple[tuple[int, ...], int]]) -> list[tuple[int, int, list]]:
+        """(prefix length, dense_rows, (input, dense_rows) keys) of the inputs that share a prefix (`shared_prefixes`)
+        holding their dense rows: inputs of one dense_rows (serving: one context length), whose rows after the
+        prefix are all decoded rows, so the prefix's rows are what a forward of each whole input computes."""
+        groups = []
+        for dense in sorted({d for _, d in keys}):
+            same = [key for key in keys if key[1] == dense]
+            groups += [(p, dense, [same[k] for k in members]) for p, members in shared_prefixes([i for i, _ in same])
+                       if p >= dense]
+        return groups
+
+    def _score_whole(self, requests, inputs: dict, out: list, bar) -> None:
+        """Scores the requests of `inputs` ((input, dense_rows) -> requests), one forward of each input."""
+        groups: dict[tuple[int, int], list] = {}  # (rows, dense_rows) -> [(input, requests)]
+        for (inp, dense), index in inputs.items():
+            groups.setdefault((len(inp), dense), []).append((inp, index))
+        for (rows, dense), batches in groups.items():
+            size = requests_per_forward(self.batch_option, rows)
+            for b in range(0, len(batches), size):
+                batch = batches[b : b + size]
+                inps = torch.tensor([inp for inp, _ in batch], device=self.device)  # (b, t)
+                hidden = self._hidden_call(inps, dense)  # (b, t, hidden)
+                where = f"forward {self.counts['forwards']} (batch {tuple(inps.shape)})"
+                self._answer(requests, [(i, row) for row, (_, index) in zip(hidden, batch, strict=True)
+                                        for i in index], out, where, bar)
+
+    def _score_shared(self, requests, groups: list[tuple[int, int, dict]], out: list, bar) -> None:
+        """Scores the requests of groups of inputs that share a prefix ((prefix length, dense_rows, (input,
+        dense_rows) -> requests) each): one forward of each group's prefix (prefixes of one length and as many
+        inputs in a batch, their rows' stats recorded once per input), then each input's tail resumed from its
+        prefix's past, tails of one length in a batch. An input's rows are its prefix's and its tail's: those of one
+        forward of it whole."""
+        batches: dict[tuple[int, int, int], list[dict]] = {}  # (prefix rows, inputs, dense_rows) -> groups
+        for p, dense, members in groups:
+            batches.setdefault((p, len(members), dense), []).append(members)
+        for (p, copies, dense), same in batches.items():
+            size = requests_per_forward(self.batch_option, p)
+            for b in range(0, len(same), size):
+                batch = same[b : b + size]
+                longest = max(len(inp) for members in batch for inp, _ in members)
+                inps = torch.tensor([next(iter(members))[0][:p] for members in batch], device=self.device)  # (b, p)
+                self._count_forward(inps)
+                prefix, past = modes.sim_prefix(self.model, self.method, inps, dense, copies=copies, max_len=longest)
+                tails: dict[int, list] = {}  # tail rows -> [(batch row, input, requests)]
+                for j, members in enumerate(batch):
+                    for (inp, _), index in members.items():
+                        tails.setdefault(len(inp) - p, []).append((j, inp, index))
+                for x, items in tails.items():
+                    step = requests_per_forward(self.batch_option, p + x)
+                    for k in range(0, len(items), step):
+                        part = items[k : k + step]
+                        rows = (self._resumed_rows(past, part, p, dense, longest) if x else
+                                [prefix[j, :0] for j, _, _ in part])
+                        where = f"forward {self.counts['forwards']} ({len(part)} tails after {p} shared tokens)"
+                        self._answer(requests, [(i, torch.cat([prefix[j], tail]))
+                                                for (j, _, index), tail in zip(part, rows, strict=True)
+                                                for i in index], out, where, bar)
+
+    def _resumed_rows(self, past, part: list, p: int, dense: int, longest: int) -> list[torch.Tensor]:
+        """The final hidden states (x, hidden) of each input's rows after its first p (`part`: (its prefix's batch
+        row, input, requests), inputs of one length p + x), resumed from its prefix's past."""
+        index = torch.tensor([j for j, _, _ in part], device=self.device)
+        inps = torch.tensor([inp[p:] for _, inp, _ in part], device=self.device)  # (n, x)
+        self._count_forward(inps)
+        return list(modes.sim_resume(self.model, self.method, past, index, inps, dense, max_len=longest))
+
+    def _answer(self, requests, scored: list[tuple[int, torch.Tensor]], out: list, where: str, bar) -> None:
+        """Scores (request, its input's final hidden states) pairs into out."""
+        answers = self._score([requests[i] for i, _ in scored], [row for _, row in scored], where)
+        for (i, _), answer in zip(scored, answers, strict=True):
+            out[i] = answer
+        bar.update(len(scored))
 
     def _score(self, requests, hiddens: list[torch.Tensor], where: str) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) of each request's continuation from its input's final hidden states (t, hidden).
@@ -116,9 +184,12 @@ class KVMethodLM(HFLM):
 
     def _hidden_call(self, inps: torch.Tensor, dense_rows: int) -> torch.Tensor:
         """inps (b, t), pad-free -> final hidden states (b, t, hidden) of one sim-mode forward through the method."""
+        self._count_forward(inps)
+        return modes.sim_hidden(self.model, self.method, inps, dense_rows=dense_rows)
+
+    def _count_forward(self, inps: torch.Tensor) -> None:
         self.counts["forwards"] += 1
         self.counts["rows"] += inps.numel()
-        return modes.sim_hidden(self.model, self.method, inps, dense_rows=dense_rows)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # HFLM's would run the plain model, bypassing the method; every score here goes through `_hidden_call`

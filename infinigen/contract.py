@@ -41,6 +41,11 @@ class KVMethod(RuntimeNeeds, MethodDriver):
     # settings worth testing beside the defaults (overrides of conf/method/<name>.yaml, e.g. eviction on): every
     # method-wide test (tests/conftest.py `variants`) runs them too, so a new method's own settings need no test edit
     test_variants: ClassVar[tuple[dict, ...]] = ()
+    # sim mode resumes after a prefix: a row's output depends on the tokens up to it only (not on the sequence's
+    # length, `session.max_len`), and a forward over a past (modes.sim_prefix, then sim_resume) computes for its rows
+    # what one forward of the whole sequence does. lm-eval then scores a doc's choices from one forward of their
+    # shared context (tests/test_lm_eval_shared.py checks the log-likelihoods of every method that says so)
+    prefix_resumable: ClassVar[bool] = False
 
     def __post_init__(self):
         check_field_types(self)

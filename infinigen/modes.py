@@ -25,6 +25,37 @@ def sim_hidden(model, method, input_ids: torch.Tensor, dense_rows: int = 0, atte
 
 
 @torch.inference_mode()
+def sim_prefix(model, method, input_ids: torch.Tensor, dense_rows: int = 0, copies: int = 1,
+               max_len: int = 0) -> tuple[torch.Tensor, object]:
+    """`sim_hidden` of sequences' first rows (b, c), and their past: the cache, and what the method keeps beyond
+    it (`Session.carry`), that `sim_resume` continues those sequences from, for a method whose sim mode resumes
+    (`prefix_resumable`). copies: how many sequences each row
+    begins, as many times as its rows' stats are recorded (what a forward of each whole sequence would record);
+    max_len: the longest of those sequences."""
+    if not method.prefix_resumable:
+        raise ValueError(f"{type(method).__name__}'s sim mode does not resume after a prefix (prefix_resumable)")
+    cache = adapter.prefix_cache()
+    with method.stats.repeated(copies), adapter.install(model, method, mode="sim", dense_rows=dense_rows,
+                                                        max_len=max_len or input_ids.shape[1]) as session:
+        hidden = adapter.final_hidden(model, input_ids, cache=cache, use_cache=True)
+    return hidden, (cache, session.carry)
+
+
+@torch.inference_mode()
+def sim_resume(model, method, past, index: torch.Tensor, input_ids: torch.Tensor, dense_rows: int = 0,
+               max_len: int = 0) -> torch.Tensor:
+    """The final hidden states (n, x, hidden) of rows that continue `sim_prefix`'s sequences `index` (n,) with
+    input_ids (n, x): for a `prefix_resumable` method, those rows of one `sim_hidden` forward of the whole
+    sequences (dense_rows and max_len counted over the whole sequence, as there)."""
+    cache, carry = adapter.resume_cache(past[0], index), past[1]
+    longest = max_len or cache.get_seq_length() + input_ids.shape[1]
+    with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=longest) as session:
+        session.carried = {layer: {name: x.index_select(0, index) if isinstance(x, torch.Tensor) else x
+                                   for name, x in kept.items()} for layer, kept in carry.items()}
+        return adapter.final_hidden(model, input_ids, cache=cache, use_cache=True)
+
+
+@torch.inference_mode()
 def sim_logits(model, method, input_ids: torch.Tensor, dense_rows: int = 0, attention_mask=None,
                attention: str = "fused") -> torch.Tensor:
     """`sim_hidden` through the LM head, (b, t) -> (b, t, vocab) fp32: whole distributions, for comparing two

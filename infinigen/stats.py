@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
@@ -31,27 +32,41 @@ class KVStats:
         self._counts: dict = defaultdict(lambda: defaultdict(int))
         self._pending: list = []
         self._folded: dict = {}  # (name, layer, device) -> a running sum, where the recordings are
+        self.copies = 1  # each recording counts this many times (`repeated`)
 
     def add(self, layer: int, name: str, values: torch.Tensor, offset: float = 0.0, scale: float = 1.0) -> None:
         """Records (values + offset) * scale per element. Dispatches nothing and reads nothing back: a decode step
         on a GPU neither launches a kernel nor waits to record (every PENDING recordings are summed into running
         sums on their own device; a mean read brings them to the host)."""
-        self._pending.append((layer, name, values, offset, scale))
+        self._pending.append((layer, name, values, offset, scale, self.copies))
         if len(self._pending) >= self.PENDING:
             self._fold()
 
     def add_total(self, layer: int, name: str, total: float, count: int) -> None:
         """Records `count` values summing to `total` (host numbers: nothing is dispatched)."""
-        self._sums[name][layer] += total
-        self._counts[name][layer] += count
+        self._sums[name][layer] += total * self.copies
+        self._counts[name][layer] += count * self.copies
+
+    @contextmanager
+    def repeated(self, copies: int):
+        """Within the block, each recording counts `copies` times: rows computed once for `copies` sequences that
+        begin with them (lm-eval's choices scored from one forward of their shared context) are recorded as that
+        many forwards of the whole sequences would record them."""
+        previous, self.copies = self.copies, copies
+        try:
+            yield
+        finally:
+            self.copies = previous
 
     def _fold(self) -> None:
-        for layer, name, values, offset, scale in self._pending:
+        for layer, name, values, offset, scale, copies in self._pending:
             n = values.numel()
             total = (values.detach().double().sum() + offset * n) * scale
+            if copies != 1:
+                total = total * copies
             key = (name, layer, total.device)
             self._folded[key] = total if key not in self._folded else self._folded[key] + total
-            self._counts[name][layer] += n
+            self._counts[name][layer] += n * copies
         self._pending.clear()
 
     def _settle(self) -> None:

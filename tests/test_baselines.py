@@ -145,8 +145,8 @@ def replayed_keep(method, seed, dense_rows, window, hk=2, g=3, t=40, d=16):
     k = torch.randn(1, hk, t, d, generator=gen)
     scale = d**-0.5
     allowed = sliding(t, window)
-    layer = SimpleNamespace(logit_scale=scale, sliding_window=window)
-    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows), layer, q, k, allowed) & allowed
+    layer = SimpleNamespace(index=0, logit_scale=scale, sliding_window=window)
+    keep = whole_keep(method, SimpleNamespace(dense_rows=dense_rows, carry={}), layer, q, k, allowed) & allowed
     return keep, logits(q, k, scale)[0].double()
 
 
@@ -267,7 +267,8 @@ def test_static_step_replays_what_the_eager_replay_does(make, dense_rows, monkey
     b, hk, g, t, d = 2, 2, 3, 70, 16
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(b, hk * g, t, d, generator=gen), torch.randn(b, hk, t, d, generator=gen)
-    session, layer = SimpleNamespace(dense_rows=dense_rows), SimpleNamespace(logit_scale=d**-0.5, sliding_window=None)
+    session = SimpleNamespace(dense_rows=dense_rows, carry={})
+    layer = SimpleNamespace(index=0, logit_scale=d**-0.5, sliding_window=None)
     allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
     eager = make().sim_state(session, layer, q, k, k, allowed)
 

@@ -26,5 +26,5 @@ from infinigen.adapter.loading import (  # noqa: F401
 from infinigen.adapter.session import (  # noqa: F401
     _BOUND, ATTN_NAME, PADDED, Session, attn_implementation, install,
 )
-from infinigen.adapter.store import KVStore, new_cache  # noqa: F401
+from infinigen.adapter.store import KVStore, new_cache, prefix_cache, resume_cache  # noqa: F401
 from infinigen.models import ATTENTION_KERNELS, ModelUnavailable, validate_model  # noqa: F401 (re-exported)

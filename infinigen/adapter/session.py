@@ -50,6 +50,11 @@ class Session:
     # sim mode: sequence positions [first, last + 1) of the chunk of rows being attended, host ints (what a method
     # branches or slices on without reading its `rows` tensor back from the device)
     chunk: tuple[int, int] = (0, 0)
+    # sim mode resuming after a prefix (infinigen/modes.py sim_prefix, sim_resume): what a method keeps beyond the KV
+    # for the rows that continue (layer -> batch-first tensors and host values), left by the prefix's forward
+    # (`carry`) and handed to the resumed one, its batch rows picked (`carried`)
+    carry: dict = field(default_factory=dict)
+    carried: dict = field(default_factory=dict)
 
     def longest(self, what: str) -> int:
         """max_len, for an option (`what`) defined as a fraction of the longest sequence; refused while unknown."""

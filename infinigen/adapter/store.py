@@ -11,7 +11,7 @@ import torch
 
 # Only the cache classes at import time: the model classes, tokenizers and attention registries cost seconds
 # to import and are imported where they are used, so a bad config is refused before any of that.
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
 def _gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -192,3 +192,19 @@ class KVStore(DynamicLayer):
 
 def new_cache(stores: list[KVStore]) -> Cache:
     return Cache(layers=stores)
+
+
+def prefix_cache() -> Cache:
+    """An empty cache that keeps every layer's whole past, sliding-window layers included (a config-built cache
+    would crop those to their window: a later forward's rows would then not sit at the past's length), for a
+    forward whose keys and values later forwards resume from (`resume_cache`)."""
+    return DynamicCache()
+
+
+def resume_cache(cache: Cache, index: torch.Tensor) -> Cache:
+    """A new cache holding the past of `cache`'s batch rows `index` (n,) in every layer, for a forward of n inputs
+    that continue those rows' sequences; `cache` itself is left as it is (each resumed forward appends to its own)."""
+    resumed = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        resumed.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), i)
+    return resumed

@@ -82,7 +82,7 @@ class Schedule:
 
 @dataclass
 class Replay:
-    """One layer's replay. q (b, h, t, d) and k (b, h_kv, t, d) in the dtype logits are computed in (the model's
+    """One layer's replay. q (b, h, t, d) and k (b, h_kv, first + t, d) in the dtype logits are computed in (the model's
     for H2O, as its decode step; float32 at least for TOVA); logits are (q . k) x scale, then float32.
     state (N, t) float32 and last_row (N, t) long are updated in place. kind: "h2o" (the state accumulates minus
     reduce(p) every row) or "tova" (evicting rows rank by state - sum(p)); reduce: "sum" | "max" | "mean".
@@ -98,6 +98,7 @@ class Replay:
     kind: str
     reduce: str = "sum"
     window: int | None = None
+    first: int = 0  # the sequence position of q's row 0 (> 0: rows resumed after a prefix, whose keys k holds)
 
     def __post_init__(self):
         b, h, t, d = self.q.shape
@@ -117,7 +118,7 @@ class Replay:
         marks evicted at -inf."""
         a, z = rows.start, rows.stop
         r, c = z - a, out.shape[-1]
-        qb = self.qr[:, :, a:z].reshape(self.n, r * self.g, -1)  # (N, r x g, d)
+        qb = self.qr[:, :, a - self.first : z - self.first].reshape(self.n, r * self.g, -1)  # (N, r x g, d)
         if qb.dtype == torch.float32 and out.dtype == torch.float32:
             # written in place with the scale as the product's alpha: the same float32 values as product x scale
             # (one rounding each), without a (N, r x g, c) temporary, its scaled copy and the copy into the block

@@ -44,6 +44,7 @@ from infinigen.contract import GatheringMethod
 from infinigen.rows import count_true, full_past, in_window, keep_mask, row_chunks
 from infinigen.shared.select_evict import (EVICTION, GQA_REDUCE, RowCaps, cap_of, pool_limit, rank, select,
                                            sequence_cap, top_k, victim)
+from infinigen.shared.sim_pool import SimPool
 from infinigen.shared.step import StaticStep
 
 
@@ -57,7 +58,7 @@ CURRENT_TOKEN = ("kept", "ranked")
 
 
 @dataclass
-class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
+class SelectiveAttention(SimPool, StaticStep, RowCaps, GatheringMethod):
     alpha: float = math.inf
     budget: float = 0.2
     max_num_kv: int | None = None
@@ -133,6 +134,12 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         self._views, self._keep, self._thresholds, self._ones = {}, {}, {}, {}
         super().bind(session)
 
+    @property
+    def prefix_resumable(self) -> bool:
+        """A row's selection reads the tokens up to it, unless a capped pool (its evictions) or budget_of="sequence"
+        (the sequence's length) decides it."""
+        return self.capacity == 1 and self.budget_of == "prefix"
+
     def dense_layer(self, layer: AttentionLayer) -> bool:
         return layer.index < self.skip_layers
 
@@ -172,7 +179,8 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         if session.mode == "decode" or self.dense_layer(layer):
             return super().forward_attention(session, layer, q, k, v, allowed)
         b, t, s = q.shape[0], q.shape[2], k.shape[2]
-        assert s == t, "sim mode runs a whole sequence in one forward"
+        offset = s - t  # sequence position of query row 0: > 0 resuming after a prefix (`prefix_resumable`)
+        assert offset == 0 or self.prefix_resumable, "sim mode runs a whole sequence in one forward"
         qs = self.score_queries(session, layer, q) * layer.logit_scale  # (b, hk, g, t, d), scaled once
         ks = self.score_keys(layer, k)  # (b, hk, s, d)
         qs, ks = (x.to(score_dtype(x.dtype)) for x in (qs, ks))
@@ -180,23 +188,25 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         pool = None if limit is None else self._sim_pool_state(session, b, ks.shape[1], s, limit, q.device)
         # recall's denominator without a pool: each row's log-sum-exp over its whole causal prefix, one fused call
         causal_lse = None
-        if self.track_recall and pool is None and session.plain_causal and session.attention == "fused":
+        if self.track_recall and pool is None and not offset and session.plain_causal and session.attention == "fused":
             causal_lse = attend_fused(q, k, v, None, layer.logit_scale, causal=True)[1]  # (b, h, t) or None
         outs = []
         # each chunk against the keys its rows can see (half the work); a capped pool's free rows apart (`free_until`)
         for r0, r1 in row_chunks(t, 0 if pool is None else pool["free_until"]):
-            outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse))
+            outs.append(self._sim_chunk(session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse, offset))
         return torch.cat(outs, dim=2)
 
-    def _sim_chunk(self, session, layer, q, k, v, allowed, qs, ks, r0, r1, pool, causal_lse):
-        """Rows r0..r1-1 against the entries they can see (0..r1-1): select, attend, record."""
+    def _sim_chunk(self, session, layer, q, k, v, allowed, qs, ks, i0, i1, pool, causal_lse, offset=0):
+        """Query rows i0..i1-1, at sequence positions r0..r1-1 (offset + i), against the entries they can see
+        (0..r1-1): select, attend, record."""
         dev = q.device
+        r0, r1 = offset + i0, offset + i1
         rows = torch.arange(r0, r1, device=dev)
         diag = rows[:, None] == torch.arange(r1, device=dev)[None, :]  # (r, s)
-        allowed = allowed[..., r0:r1, :r1]  # (b|1, 1, r, s)
+        allowed = allowed[..., i0:i1, :r1]  # (b|1, 1, r, s)
         ranked = self.current_token == "ranked"
         candidates = allowed if ranked else allowed & ~diag
-        scores = grouped_matmul(qs[:, :, :, r0:r1], ks[:, :, :r1])  # (b, hk, g, r, s)
+        scores = grouped_matmul(qs[:, :, :, i0:i1], ks[:, :, :r1])  # (b, hk, g, r, s)
         past = full_past(layer, rows)  # (r,) entries before each row that the model's attention sees
         if pool is None or r1 <= pool["free_until"]:
             # a plain causal chunk's rows all see its first r0 columns; the widest cap is the last row's
@@ -217,7 +227,7 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
         selected = keep | diag if not ranked else keep
         keep = allowed & (selected | every.view(1, 1, -1, 1) | (False if empty is None else empty[:, None, :, None]))
         first = min(max(session.dense_rows - r0, 0), r1 - r0)  # rows ascend: the chunk's dense rows come first
-        qc, kc, vc = q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1]
+        qc, kc, vc = q[:, :, i0:i1], k[:, :, :r1], v[:, :, :r1]
         shift = None if empty is None else empty[:, None, :].to(q.dtype) * EMPTY_SHIFT  # (b, 1, r): the artifact's
         if session.attention == "exact":
             out, lse = attend(qc, kc, vc, keep, layer.logit_scale, shift=shift)[0], None
@@ -232,73 +242,12 @@ class SelectiveAttention(StaticStep, RowCaps, GatheringMethod):
                     held = (held | diag) & allowed
                     self._record_recall(layer, qc[:, :, first:], kc, held[:, :, first:], keep[:, :, first:])
                 else:  # kept mass / held mass = exp(lse_kept - lse_held), per query head and row
-                    held_lse = (causal_lse[:, :, r0:r1] if causal_lse is not None
+                    held_lse = (causal_lse[:, :, i0:i1] if causal_lse is not None
                                 else attend_fused(qc, kc, vc, (held | diag) & allowed, layer.logit_scale)[1])
                     recall = (lse - held_lse).exp()  # (b, h, r); an empty row (its lse shifted) attends all it holds
                     recall = recall if empty is None else recall.masked_fill(empty[:, None], 1.0)
                     self.stats.add(layer.index, "recall", recall[:, :, first:])
         return out
-
-    def _sim_pool_state(self, session, b, hk, s, limit, dev) -> dict:
-        positions = torch.arange(s, device=dev).expand(b, hk, s)
-        state = {
-            "limit": limit,
-            "size": min(session.dense_rows, s),  # entries each KV head's pool holds (the same for every head)
-            "positions": positions,
-            "in_pool": (positions < session.dense_rows).clone(),
-            "counts": torch.zeros(b, hk, s, dtype=torch.long, device=dev),
-            "last": positions.clone(),
-        }
-        self._evict_to(state)  # a prompt longer than the pool is trimmed right after the prefill
-        # rows before the first eviction see every entry before them: selected at once (`_sim_pool_fill`)
-        state["free_until"] = min(s, session.dense_rows + limit - state["size"])
-        return state
-
-    def _sim_pool_fill(self, session, pool, fetched, rows, r0: int, r1: int) -> None:
-        """The pool after rows r0..r1-1 (`rows`) that evict nothing fetched `fetched` (b, hk, r, s), as the row loop
-        leaves it: counts summed, each entry's last use its latest fetching row (the prompt's rows fetch nothing)."""
-        d0 = max(session.dense_rows, r0)  # the first decoded row (< r1)
-        fetched, s = fetched[:, :, d0 - r0 :], fetched.shape[-1]  # (b, hk, decoded rows, s)
-        pool["counts"][..., :s] += fetched.sum(2)
-        latest = torch.where(fetched, rows[d0 - r0 :, None], -1).amax(2)  # (b, hk, s); -1: fetched by none of them
-        torch.maximum(pool["last"][..., :s], latest, out=pool["last"][..., :s])
-        pool["in_pool"][..., d0:r1] = True
-        pool["size"] += r1 - d0
-
-    def _sim_pool_rows(self, session, layer, scores, candidates, rows, pool, diag):
-        """Row by row, because what the pool holds depends on earlier rows' fetches (counters) and evictions.
-        The rows' positions come from `session.chunk` (host ints): nothing is read back to branch on."""
-        b, hk, g, r, s = scores.shape
-        keep = torch.zeros(b, hk, r, s, dtype=torch.bool, device=scores.device)
-        held, n = torch.zeros_like(keep), torch.zeros(b, r, dtype=torch.long, device=scores.device)
-        ranked = self.current_token == "ranked"
-        caps = self.row_caps(session, layer, full_past(layer, rows))  # (r,): each row's, made once
-        for i, row in enumerate(range(*session.chunk)):
-            if row < session.dense_rows:
-                continue
-            cand = pool["in_pool"][..., :s] & candidates[:, :, i]  # (b, hk, s)
-            if ranked:  # the row itself, not yet in the pool, competes with what the pool holds
-                cand = cand | (candidates[:, :, i] & diag[i])
-            width = min(s, self.row_cap(session, layer, full_past(layer, row)) + ranked)
-            ki, ni = select(scores[:, :, :, i : i + 1], cand[:, :, None], caps[i : i + 1], self.alpha,
-                            self.gqa_reduce, width=width, first=0,  # the pool's candidates are no prefix: mask all
-                            threshold_head=self.threshold_head)
-            keep[:, :, i], held[:, :, i], n[:, i] = ki[:, :, 0], cand, ni[:, 0]
-            fetched = ki[:, :, 0] & ~diag[i] if ranked else ki[:, :, 0]
-            pool["counts"][..., :s] += fetched
-            pool["last"][..., :s].masked_fill_(fetched, row)
-            pool["in_pool"][..., row] = True
-            pool["size"] += 1
-            self._evict_to(pool)
-        return keep, n, held
-
-    def _evict_to(self, pool: dict) -> None:
-        """Evicts down to the pool's limit. Every head holds pool["size"] entries (each row adds one to every head,
-        each eviction removes one from every head): a host count, so nothing is read back."""
-        while pool["size"] > pool["limit"]:
-            idx = victim(pool["positions"], pool["counts"], pool["last"], pool["in_pool"], self.eviction)  # (b, hk)
-            pool["in_pool"].scatter_(-1, idx[..., None], False)
-            pool["size"] -= 1
 
     def _record_recall(self, layer, q, k, held, keep) -> None:
         """Share of the true attention mass (over what the pool holds) that the fetched entries carry."""
