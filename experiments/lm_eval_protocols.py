@@ -38,10 +38,11 @@ def requests_per_forward(batch_size: int | str, rows: int) -> int:
     return max(1, AUTO_TOKENS // rows) if batch_size == AUTO else batch_size
 
 
-# a prefix shorter than this is recomputed with each input: its forward and the inputs' tails, each a forward of
-# its own (few rows: they cost about what reading the weights costs), take longer than its rows save. Measured with
-# experiments/bench_lm_eval.py (smollm2-135m, 2 threads, PIQA 200 docs): contexts of 15-60 tokens (0-shot) shared
-# from 16 tokens on took 50.5 s against 31.5 s whole; 5-shot contexts of ~300 tokens 129.7 s against 171.9 s
+# a group of inputs that would save fewer rows than this by sharing its prefix (p tokens, n inputs: p(n - 1) rows) is
+# scored whole: its prefix's forward and the inputs' tails, each a forward of its own (few rows: they cost about what
+# reading the weights costs), take longer than the rows save. Measured with experiments/bench_lm_eval.py
+# (smollm2-135m, 2 threads, PIQA 200 docs, two choices each): 0-shot contexts of 15-60 tokens shared from 16 on took
+# 50.5 s against 31.5 s whole; 5-shot contexts of ~300 tokens 129.7 s against 171.9 s
 SHARED_MIN = 128
 
 
@@ -50,14 +51,14 @@ def common_prefix(a: tuple, b: tuple) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def shared_prefixes(inputs: list[tuple[int, ...]], shortest: int | None = None) -> list[tuple[int, list[int]]]:
-    """Groups of distinct inputs that begin with a common prefix of >= `shortest` tokens (SHARED_MIN), as (prefix
-    length, the inputs' indices), chosen to save the most rows (a group of n sharing p tokens computes p(n - 1)
-    fewer): a doc's choices share their context (and the few-shot examples before it; WinoGrande's, whose contexts
+def shared_prefixes(inputs: list[tuple[int, ...]], fewest: int | None = None) -> list[tuple[int, list[int]]]:
+    """Groups of distinct inputs that begin with a common prefix, as (prefix length, the inputs' indices), chosen to
+    save the most rows (a group of n sharing p tokens computes p(n - 1) fewer), each saving >= `fewest` rows
+    (SHARED_MIN): a doc's choices share their context (and the few-shot examples before it; WinoGrande's, whose contexts
     differ, those). Sorted, inputs with a common prefix are neighbours; the run between two neighbours of the shortest
     common prefix is either one group or split there, whichever saves more, down to single inputs (not grouped):
     a post-order over the Cartesian tree of the neighbours' common prefixes, O(n log n) with the sort."""
-    shortest = SHARED_MIN if shortest is None else shortest
+    fewest = SHARED_MIN if fewest is None else fewest
     order = sorted(range(len(inputs)), key=inputs.__getitem__)
     lcp = [common_prefix(inputs[a], inputs[b]) for a, b in zip(order, order[1:])]
     if not lcp:
@@ -80,7 +81,8 @@ def shared_prefixes(inputs: list[tuple[int, ...]], shortest: int | None = None) 
             visit += [(c, a, b, False) for c, a, b in ((left[m], lo, m + 1), (right[m], m + 1, hi)) if c >= 0]
             continue
         split = sum(saved[c] for c in (left[m], right[m]) if c >= 0)
-        one = lcp[m] * (hi - lo - 1) if lcp[m] >= shortest else 0
+        one = lcp[m] * (hi - lo - 1)
+        one = one if one >= fewest else 0
         whole[m] = (lo, hi) if one > split else None
         saved[m] = max(one, split)
     groups, visit = [], [stack[0]]

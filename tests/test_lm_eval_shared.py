@@ -20,7 +20,8 @@ CASES = [(name, v) for name in METHODS for v in variants(name)]
 
 @pytest.fixture(autouse=True)
 def short_prefixes(monkeypatch):
-    """The tests' contexts are 23-57 tokens: shared from 16 on (the default's threshold is a matter of speed)."""
+    """The tests' contexts are 23-57 tokens: groups saving 16 rows shared (the default's threshold is a matter of
+    speed)."""
     from experiments import lm_eval_protocols
 
     monkeypatch.setattr(lm_eval_protocols, "SHARED_MIN", 16)
@@ -115,7 +116,7 @@ def test_shared_prefixes(tiny):
     groups = shared_prefixes(inputs)
     assert sorted((p, len(members)) for p, members in groups) == [(23, 3), (34, 3), (40, 3), (57, 3), (57, 3)]
     assert sorted(len(inputs[k]) for k in set(range(len(inputs))) - {k for _, m in groups for k in m}) == [30, 128]
-    assert shared_prefixes(inputs, shortest=35) == [(p, m) for p, m in groups if p >= 35]
+    assert shared_prefixes(inputs, fewest=69) == [(p, m) for p, m in groups if p * (len(m) - 1) >= 69]
     lm.method.prefix_resumable = False
     lls_whole = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
     assert lm.counts["rows"] == sum(map(len, inputs)) and len(lls_whole) == len(reqs)
