@@ -54,7 +54,7 @@ bench: install  ## sim-mode cost of each method (and InfiniGen's capped pool per
 bench-ops: install  ## ops and host syncs per decode step / sim forward of each method (CPU, 30-40 min here; rows into results/; OPS_ARGS=...)
 	$(PY) experiments/bench_ops.py --results results $(OPS_ARGS)
 
-bench-lm-eval: install  ## task=lm_eval (full; infinigen) vs lm-eval's own HF backend at each batch size: PIQA, 200 docs, 0- and 5-shot (prints the ratios)
+bench-lm-eval: install  ## task=lm_eval (full; infinigen) vs lm-eval's own HF backend at each batch size: PIQA, 200 docs, 0- and 5-shot (prints the ratios); the Fig. 11 preset's time per point (full, H2O, InfiniGen)
 	$(PY) -m experiments.bench_lm_eval --data-dir $(DATA_DIR)
 
 sweep: install  ## one experiment preset of conf/experiment/, e.g. make sweep EXP=fig12_ppl_position_smoke (re-run resumes)

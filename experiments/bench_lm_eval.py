@@ -17,7 +17,8 @@ turn that many times and the fastest run of each counts (other load on the machi
 Prints, per number of shots, the seconds and acc of each, the ratio of the harness's full at its default to lm-eval
 at its best batch size and whether that is within 1.0x (issue 70), on how many docs the acc is the same through both
 (the same model must score alike, and the harness at another batch size as at its default), and each method's time
-over the harness's full (within 1.3x?). --forwards: the sim-mode forward's ms per token against the tokens a forward
+over the harness's full (within 1.3x?); then the Fig. 11 preset's wall time per point for full, H2O and InfiniGen,
+from each task's seconds per doc on its first --fig11-docs docs (`fig11_per_point`). --forwards: the sim-mode forward's ms per token against the tokens a forward
 holds, at a few input lengths: where it stops falling is experiments/lm_eval_protocols.py AUTO_TOKENS, what
 `task.batch_size=auto` fills. --threads: torch's threads (on a machine other jobs share, one thread each keeps their
 OpenMP threads from spinning against each other). A benchmark script, not a test: run it on an otherwise idle
@@ -167,17 +168,47 @@ def bench_shots(model, tokenizer, args, shots: int) -> None:
               f"({'within' if seconds / reference[0] <= METHOD_WITHIN else 'NOT within'} {METHOD_WITHIN}x)")
 
 
+# the Fig. 11 preset's points timed per point (issue 70): full attention, H2O and InfiniGen at one budget each
+FIG11_POINTS = ("full", "h2o_0.25", "infinigen_b0.14")
+
+
+def fig11_per_point(model, tokenizer, args) -> None:
+    """The wall time of one point of `+experiment=fig11_accuracy_smollm2` (five tasks, 5-shot, the first
+    task.limit docs of each), estimated from each task's seconds per doc on its first --fig11-docs docs times the
+    docs the preset scores of it: never from a whole process (its model load and first calibration are no doc's)."""
+    from lm_eval.tasks import get_task_dict
+
+    preset = ["+experiment=fig11_accuracy_smollm2", *([f"model={args.model}"] if args.model else [])]
+    cfg, _ = compose_run(preset, args.data_dir)
+    names, manager = task_module.lm_eval_setup(list(cfg.task.tasks), args.data_dir)
+    sizes = {task: len(get_task_dict([name], manager)[name].eval_docs) for task, name in zip(cfg.task.tasks, names)}
+    scored = {task: min(size, cfg.task.limit) for task, size in sizes.items()}
+    print(f"\nFig. 11 preset ({cfg.model.name}, {cfg.task.num_fewshot}-shot, docs a point scores: {scored}), "
+          f"{torch.get_num_threads()} threads, seconds per doc on the first {args.fig11_docs} docs of each task:")
+    for point in FIG11_POINTS:
+        per_doc = {}
+        for task in cfg.task.tasks:
+            seconds, out = harness(model, tokenizer, [*preset, f"+point={point}", f"task.tasks=[{task}]",
+                                                      f"task.limit={args.fig11_docs}"], args.data_dir)
+            per_doc[task] = seconds / len(out["per_doc"])
+        total = sum(per_doc[task] * n for task, n in scored.items())
+        cells = ", ".join(f"{task} {per_doc[task]:.2f}" for task in cfg.task.tasks)
+        print(f"  {point}: {cells}; a point: {total / 60:.0f} min", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="piqa")
     ap.add_argument("--limit", type=int, default=200)
-    ap.add_argument("--shots", type=int, nargs="+", default=[0, 5])
+    ap.add_argument("--shots", type=int, nargs="*", default=[0, 5], help="shots of the PIQA comparison (none: skip it)")
     ap.add_argument("--model", default=None, help="a conf/model name (default: the config's, smollm2-135m)")
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--ours", nargs="+", default=["default"],
                     help="the harness's batch sizes under full: default (the command names none), an integer or auto")
     ap.add_argument("--methods", nargs="*", default=["infinigen"],
                     help="conf/method names also timed at the default batch size, each against the harness's full")
+    ap.add_argument("--fig11-docs", type=int, default=20,
+                    help="docs of each task the Fig. 11 preset's per-point time is estimated from (0: not timed)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--forwards", action="store_true", help="also print the forward's ms/token curve")
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own, one per core)")
@@ -189,6 +220,8 @@ def main() -> None:
     model, tokenizer = adapter.load(cfg.model, device="cpu")
     for shots in args.shots:
         bench_shots(model, tokenizer, args, shots)
+    if args.fig11_docs:
+        fig11_per_point(model, tokenizer, args)
     if args.forwards:
         forward_curve(model, [32, 128, 512, 1024], [128, 256, 512, 1024, 2048, 4096, 8192])
 
