@@ -29,9 +29,8 @@ def sim_prefix(model, method, input_ids: torch.Tensor, dense_rows: int = 0, copi
                max_len: int = 0) -> tuple[torch.Tensor, object]:
     """`sim_hidden` of sequences' first rows (b, c), and their past: the cache, and what the method keeps beyond
     it (`Session.carry`), that `sim_resume` continues those sequences from, for a method whose sim mode resumes
-    (`prefix_resumable`). copies: how many sequences each row
-    begins, as many times as its rows' stats are recorded (what a forward of each whole sequence would record);
-    max_len: the longest of those sequences."""
+    (`prefix_resumable`). copies: how many sequences each row begins, as many times as its rows' stats are recorded
+    (what a forward of each whole sequence would record); max_len: the longest of those sequences."""
     if not method.prefix_resumable:
         raise ValueError(f"{type(method).__name__}'s sim mode does not resume after a prefix (prefix_resumable)")
     cache = adapter.prefix_cache()
@@ -48,6 +47,9 @@ def sim_resume(model, method, past, index: torch.Tensor, input_ids: torch.Tensor
     input_ids (n, x): for a `prefix_resumable` method, those rows of one `sim_hidden` forward of the whole
     sequences (dense_rows and max_len counted over the whole sequence, as there)."""
     cache, carry = adapter.resume_cache(past[0], index), past[1]
+    if dense_rows > cache.get_seq_length():
+        raise ValueError(f"dense_rows={dense_rows} reaches past the prefix ({cache.get_seq_length()} tokens): rows "
+                         "resumed after it are decoded rows")
     longest = max_len or cache.get_seq_length() + input_ids.shape[1]
     with adapter.install(model, method, mode="sim", dense_rows=dense_rows, max_len=longest) as session:
         session.carried = {layer: {name: x.index_select(0, index) if isinstance(x, torch.Tensor) else x

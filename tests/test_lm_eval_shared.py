@@ -77,7 +77,7 @@ def test_shared_context_scores_as_whole_inputs(tiny64, name, overrides, protocol
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", ["full", "infinigen", "quant"])
+@pytest.mark.parametrize("name", ["full", "h2o", "infinigen", "quant"])
 def test_shared_context_in_half_precision(name, dtype):
     """The models' own dtypes: the same scores to half-precision rounding (a quantiser's code may flip where a
     K/V element sits at a level's edge: a few 1e-3 in a log-likelihood)."""
@@ -120,3 +120,15 @@ def test_shared_prefixes(tiny):
     lm.method.prefix_resumable = False
     lls_whole = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
     assert lm.counts["rows"] == sum(map(len, inputs)) and len(lls_whole) == len(reqs)
+
+
+def test_resume_refuses_dense_rows_past_the_prefix():
+    """Rows resumed after a prefix are decoded rows: dense rows beyond it would be computed silently wrong."""
+    from baselines.full import Full
+    from infinigen import modes
+
+    model, _ = load_model("tiny-llama")
+    ids = torch.arange(12)[None]
+    _, past = modes.sim_prefix(model, Full(), ids[:, :8], dense_rows=8)
+    with pytest.raises(ValueError, match="reaches past the prefix"):
+        modes.sim_resume(model, Full(), past, torch.zeros(1, dtype=torch.long), ids[:, 8:], dense_rows=10)
