@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import columns as C
-from analysis.figures.fig17 import ablation_rows
+from analysis.figures.fig17 import ablation_rows, measured_sweeps, modelled_sweeps
 from analysis.report import recommended as R
 from analysis import paired as P
 from analysis.report.ppl import AUTHORS, PPL16, ppl_table
@@ -17,6 +17,16 @@ PARTIAL = "python run.py -m +experiment=fig17_partial_smoke method.partial_ratio
 # the same sweeps around the recommended setting: every other InfiniGen hyperparameter at its recommended value
 RECOMMENDED_ALPHA = R.on_every_model_selected(ALPHA, skip=("alpha",))
 RECOMMENDED_PARTIAL = R.on_every_model_selected(PARTIAL, skip=("partial_ratio",))
+
+
+# Fig. 17 (b), decode latency vs alpha: measured through this CPU's offloading runtime (384 + 16 tokens, batch 1),
+# and MODELLED at the paper's shape (batch 8, 1,920 + 128 tokens) on its GPU profile and runtime (the FlexGen-based
+# artifact's, task.schedule=paper), from each alpha's measured per-layer fetch fractions in the store
+LATENCY = "python run.py -m +experiment=fig17_alpha_latency_smoke"
+MODELLED = (f"{LATENCY} task.timing=modelled hardware=a6000_pcie3 task.schedule=paper task.batch_size=8 "
+            "task.prompt_len=1920 task.gen_len=128")
+LATENCY_COMMANDS = (LATENCY, f"{LATENCY} model=gemma3-270m", MODELLED,
+                    f"{MODELLED} model=gemma3-270m task.fractions_model=gemma3-270m")
 
 
 # the sweeps at the authors' semantics, paired over 16 windows: the artifact's InfiniGen at budget 0.2 (alpha 5 and
@@ -117,6 +127,21 @@ def c6_contrast(rows: pd.DataFrame) -> list[Contrast]:
     return out
 
 
+def latency_line(rows: pd.DataFrame) -> list[str]:
+    """Fig. 17 (b) in words: InfiniGen's decode ms/token at the smallest and largest alpha swept, measured on this
+    CPU and modelled, each curve apart."""
+    out = []
+    for what, data, y in (("measured on this CPU", measured_sweeps(rows), "measured_ms"),
+                          ("MODELLED", modelled_sweeps(rows), "modelled_ms")):
+        for curve, part in ([] if data.empty else data.groupby("curve", sort=True)):
+            part = part.sort_values("alpha")
+            ends = part.iloc[[0, -1]]
+            out.append(f"Fig. 17 (b), decode latency vs alpha, {what} ({curve.split(': ', 1)[1]}): "
+                       + " to ".join(f"{num(v)} ms/token at alpha {num(a)}" for a, v in zip(ends["alpha"], ends[y]))
+                       + f" ({part['alpha'].nunique()} values)")
+    return out
+
+
 def c6_verdict(rows: pd.DataFrame) -> list[str]:
     """The sweeps at the authors' semantics first, then the harness's variant: the sweeps around the recommended
     setting (or the commands that add them), then the others."""
@@ -130,7 +155,8 @@ def c6_verdict(rows: pd.DataFrame) -> list[str]:
     out += ([f"{R.BEYOND} {R.lead(gen)}: {line}" for line in recommended]
             or [f"{R.BEYOND} {R.missing(gen, *RECOMMENDED_ALPHA, *RECOMMENDED_PARTIAL)}"])
     return out + [f"{along} ({who}): {verdict}: {words}" for along, each in found.items()
-                  for who, verdict, words in each if who not in (R.AUTHORS_CLAIM, "the recommended setting otherwise")]
+                  for who, verdict, words in each if who not in (R.AUTHORS_CLAIM, "the recommended setting otherwise")
+                  ] + latency_line(rows)
 
 
 SECTION = Section(
@@ -138,7 +164,7 @@ SECTION = Section(
     "Accuracy saturates beyond a moderate alpha (while the fetched share keeps growing) and beyond a small "
     "partial weight ratio (paper Fig. 17).",
     (*on_every_model(AUTHORS[0]), *AUTHORS_ALPHA, *AUTHORS_PARTIAL, *on_every_model(ALPHA, PARTIAL),
-     *RECOMMENDED_ALPHA, *RECOMMENDED_PARTIAL),
+     *RECOMMENDED_ALPHA, *RECOMMENDED_PARTIAL, *LATENCY_COMMANDS),
     ppl_table, c6_verdict, figure_of("fig17_ablation"),
     note="A sweep's points are each paired with its best over the same windows (analysis/paired.py). The plateau is "
          "the run of points up to the largest value swept that the best cannot be told apart from (the 95% interval "
