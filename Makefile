@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export DATA_DIR
 
-.PHONY: help install run test test-kernels test-fast bench bench-ops bench-lm-eval sweep smoke figures tables calibrate validate-perf validate-gpu export report clean
+.PHONY: help install run test test-kernels test-fast bench bench-ops bench-lm-eval sweep smoke figures tables calibrate validate-perf validate-gpu export report evidence clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -90,6 +90,9 @@ export: install  ## copy results/ into the committed store docs/store (newest ru
 
 report: install  ## docs/results.md + docs/report/*.png + the README headline from docs/store only (offline, seconds)
 	$(PY) -m analysis.report --store docs/store --out docs --readme README.md
+
+evidence: install  ## every run docs/results.md names that the store lacks (its plan and estimated time first; resumable; EVIDENCE_ARGS=--plan), then export + report
+	$(PY) -m analysis.evidence $(EVIDENCE_ARGS)
 
 clean:  ## remove caches (never results/)
 	rm -rf .pytest_cache .cache **/__pycache__

@@ -132,7 +132,9 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
         "[The authors' code](#the-authors-code) alone); do not edit by hand. Every other number above is computed "
         "from the store's rows; each section names the commands that produce its rows. Rows land in `results/` (`run.py`'s `results_dir`); `make export` copies "
         "them into docs/store without per-prompt detail (`python -m analysis.store export --results results --to "
-        "docs/store`).",
+        "docs/store`). `make evidence` (`python -m analysis.evidence`) runs every command above whose configs the "
+        "store lacks, two at a time, after printing its plan and each section's estimated time from the store's "
+        "per-unit seconds, then export and this report.",
         "", "Sizes are what a 2-core CPU affords (SmolLM2-135M and Gemma-3-270M): a perplexity claim is paired over 16 "
         "windows of 1,024 tokens (C3: 8 of 2,048, 16 where 8 left it open), an lm-eval claim over every doc of "
         "five tasks zero-shot (3,807 docs; the harness's variant: PIQA and COPA, 1,938), each difference with its 95% interval; they test each claim's direction, not the paper's magnitudes "

@@ -32,25 +32,33 @@ def overrides_of(command: str) -> tuple[list[str], bool]:
     return [w for w in words if w not in ("-m", "--multirun")], multirun
 
 
-def compose_jobs(command: str) -> list[dict]:
-    """The config of every job the command runs today, as run.py composes it (sweeps expanded as Hydra's basic
-    sweeper does: the preset's hydra.sweeper.params, then the command line)."""
-    from hydra import compose, initialize_config_dir
+def job_overrides(command: str) -> list[list[str]]:
+    """The overrides of every job the command runs today, one `python run.py` line each (sweeps expanded as Hydra's
+    basic sweeper does: the preset's hydra.sweeper.params, then the command line)."""
+    from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
-    from omegaconf import OmegaConf
 
     overrides, multirun = overrides_of(command)
+    if not multirun:
+        return [overrides]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        batches = [overrides]
-        if multirun:
-            hydra_cfg = GlobalHydra.instance().hydra.compose_config(
-                "config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True).hydra
-            params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
-            parsed = OverridesParser.create().parse_overrides(params + overrides)
-            batches = BasicSweeper.split_arguments(parsed, None)[0]
+        hydra_cfg = GlobalHydra.instance().hydra.compose_config(
+            "config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True).hydra
+        params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides(params + overrides)
+        return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
+
+
+def compose_jobs(command: str) -> list[dict]:
+    """The config of every job the command runs today, as run.py composes it (`job_overrides`)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    batches = job_overrides(command)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return [OmegaConf.to_container(compose("config", overrides=list(job)), resolve=True) for job in batches]
 
 
