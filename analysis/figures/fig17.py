@@ -153,7 +153,7 @@ def fig17_ablation(df: pd.DataFrame) -> tuple[Figure, pd.DataFrame]:
             part = part.sort_values("alpha")
             twin.plot(part["alpha"], part["modelled_ms"], linestyle="--", color="tab:purple", marker=MARKERS[i],
                       markersize=3, label=label)
-        twin.set_ylabel("MODELLED decode ms/token (performance model), dashed", color="tab:purple", fontsize=8)
+        twin.set_ylabel("MODELLED decode ms/token, dashed", color="tab:purple", fontsize=8)
         axes[1].set_xlabel("alpha (speculation threshold)")
         twin.legend(fontsize=6, loc="lower right")
         plotted.append(model.assign(panel="latency vs alpha (modelled)", value=model["modelled_ms"],
