@@ -85,6 +85,9 @@ def parse_args(argv=None):
                    help="also run each method that has a `capture` option with capture=graph and capture=compile")
     p.add_argument("--budget", type=float, default=None, help="start no point after this many seconds")
     p.add_argument("--out", default=None, help="append one JSON line per point here")
+    p.add_argument("--results", default=None, metavar="STORE",
+                   help="also write each point as a store row (metrics.benchmark=sim) into this results store, e.g. "
+                        "docs/store: the report's sim-cost table and the lines of README and docs/scaling.md")
     return p.parse_args(argv)
 
 
@@ -299,6 +302,8 @@ def main(argv=None) -> dict:
             write_point(args.out, meta, point)
             print(f"  {n} tokens, {label}: {seconds:.2f} s, +{peak:.0f} MiB", file=sys.stderr, flush=True)
 
+    if args.results:
+        write_rows(args.results, meta, results.values())
     width = max(len(label) for label in runs)
     sdpa = results.get((args.tokens, "model sdpa"))
     print(f"\n{args.tokens} tokens\n{'':<{width}}  {'seconds':>8}  {'x sdpa':>7}  {'peak MiB':>8}  {'x sdpa':>7}  "
@@ -335,6 +340,32 @@ def run_meta(args, device: str) -> dict:
     if device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     return meta
+
+
+def write_rows(results: str, meta: dict, points) -> None:
+    """One store row per measured point (a label at a length), keyed by model, device, threads, length and label:
+    the newest run of a point replaces an older one in an export, as a run.py config's does."""
+    import hashlib
+    import platform
+    from datetime import datetime, timezone
+
+    from analysis import store
+    from experiments import identity
+
+    finished = datetime.now(timezone.utc).isoformat()
+    for point in points:
+        config = {"benchmark": "sim", "model": {"name": meta["model"]}, "device": meta["device"],
+                  "threads": meta["threads"], "attention": meta["attention"], "random_init": meta["random_init"],
+                  "tokens": point["tokens"], "label": point["label"], "dense_rows": point["dense_rows"]}
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        metrics = {"benchmark": "sim", **{k: v for k, v in point.items() if k not in ("method",)},
+                   "repeats": meta["repeats"], "attention": meta["attention"]}
+        row = {"config_hash": digest, "model": meta["model"], "method": point["method"], "task": "sim_bench",
+               "data": {}, "method_params": {"name": point["method"]},
+               "task_params": {"name": "sim_bench", "tokens": point["tokens"]}, "metrics": metrics, "config": config,
+               "meta": {"git_commit": meta["git_commit"], "versions": identity.versions(), "device": meta["device"],
+                        "threads": meta["threads"], "host": platform.node(), "finished": finished}}
+        store.append_rows(results, digest, [row])
 
 
 def write_point(path: str | None, meta: dict, point: dict) -> None:

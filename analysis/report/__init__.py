@@ -46,6 +46,10 @@ from analysis.report.render import (HEADLINE_FIGURE, anchor, headline, label, se
 from analysis.report.section import Section
 
 
+# generated README blocks that a docs page under --out shows as well: block -> the page
+DOC_BLOCKS = {"sim_bench": "scaling.md"}
+
+
 def discover() -> list[Section]:
     """Every module's SECTION under analysis/report/sections/, in `order`."""
     found = [importlib.import_module(f"{sections_package.__name__}.{m.name}").SECTION
@@ -66,12 +70,13 @@ def with_reference(section: Section, reference: Path) -> Section:
 
 
 def script_rows(df: pd.DataFrame) -> pd.Series:
-    """Rows written by scripts (experiments/validate_perf.py, bench_memory.py, bench_ops.py, validate_gpu.py), not
+    """Rows written by scripts (experiments/validate_perf.py, bench_memory.py, bench_ops.py, bench_sim.py,
+    validate_gpu.py), not
     by a run.py command: their sections select them, the stale check never sees them."""
     if df.empty:
         return pd.Series(dtype=bool)
     return (C.column(df, "metrics.validation_point").notna()
-            | C.column(df, "metrics.benchmark").isin(["memory", "gpu"]) | O.is_ops(df))
+            | C.column(df, "metrics.benchmark").isin(["memory", "gpu", "sim"]) | O.is_ops(df))
 
 
 def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = None,
@@ -152,8 +157,12 @@ def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = N
     if readme is not None:
         docs = Path(os.path.relpath(out.resolve(), Path(readme).resolve().parent)).as_posix()
         # the figure as its section draws it from these rows (written now, or already there with figures=False)
-        update_readme(Path(readme), {"headline": headline(standing, every, docs, HEADLINE_FIGURE[0] in drawn_slugs),
-                                     **blocks, "speed": speed_block(verdicts)})
+        readme_blocks = {"headline": headline(standing, every, docs, HEADLINE_FIGURE[0] in drawn_slugs),
+                         **blocks, "speed": speed_block(verdicts)}
+        update_readme(Path(readme), readme_blocks)
+    for name, page in DOC_BLOCKS.items():  # blocks of other docs pages, from the same rows
+        if name in blocks and (out / page).exists():
+            update_readme(out / page, {name: blocks[name]})
     return verdicts
 
 
