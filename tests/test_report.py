@@ -60,9 +60,11 @@ def test_readme_headline_numbers_are_the_stores(regenerated):
     blocks = {m.group(2): m.group(3) for m in render.BLOCK.finditer((ROOT / "README.md").read_text())}
     assert "headline" in blocks, "README.md lost its <!-- report:headline --> block"
     assert made["headline"] == blocks["headline"], "README headline differs from docs/store: run `make report`"
-    assert set(blocks) == {"headline", "memory", "speed"}
+    assert set(blocks) == {"headline", "memory", "speed", "sim_bench"}
     for name, text in made.items():
         assert text == blocks[name], f"README block {name} differs from docs/store: make report"
+    scaling = {m.group(2): m.group(3) for m in render.BLOCK.finditer((DOCS / "scaling.md").read_text())}
+    assert scaling["sim_bench"] == blocks["sim_bench"], "docs/scaling.md's sim_bench block differs: make report"
     numbers = re.findall(r"\d+\.\d+", blocks["headline"])
     assert numbers, "the headline quotes no number"
     results = (DOCS / "results.md").read_text()
@@ -291,8 +293,8 @@ def test_every_section_renders_a_verdict_from_a_full_store(tmp_path):
     # the speed sections read the performance model's own metrics (terms, validation ratios), which synthetic
     # rows do not carry: tests/test_perf.py runs the model; C4's verdict reads Fig. 13's twin rows
     # (tests/test_figures.py)
-    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "ops_decode", "ops_sim", "gemma3_speed",
-                "gpu_measured"}
+    own_rows = {"c7_modelled", "c7_validation", "c4_skewing", "memory", "sim_bench", "ops_decode", "ops_sim",
+                "gemma3_speed", "gpu_measured"}
     missing = [s.title for s in report.discover() if s.slug not in own_rows
                and "not computed" in text.split(f"## {s.title}", 1)[1].split("\n## ", 1)[0]]
     assert not missing, f"sections without a verdict from a store holding every config: {missing}"
