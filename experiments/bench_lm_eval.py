@@ -117,7 +117,7 @@ def forward_curve(model, lengths: list[int], budgets: list[int]) -> None:
         print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
 
 
-def bench_shots(model, tokenizer, args, shots: int) -> None:
+def bench_shots(model, tokenizer, args, shots: int) -> dict:
     """Every point at `shots` shots, in turn `--repeats` times (the fastest run of each counts: other load on the
     machine only slows a run down), then the ratios."""
     # what `python run.py task=lm_eval 'task.tasks=[piqa]' task.limit=200 task.num_fewshot=S` composes
@@ -162,17 +162,23 @@ def bench_shots(model, tokenizer, args, shots: int) -> None:
         if out is not reference[1]:
             print(f"per-doc acc, harness at batch_size={out['batch_size']} vs at {reference[1]['batch_size']}: the "
                   f"same on {same_docs(out['per_doc'], reference[1]['per_doc'])}")
+    methods = {}
     for method in args.methods:
         seconds = measured[("ours", method, "default")][0]
+        methods[method] = seconds / reference[0]
         print(f"this harness, method={method}: {seconds:.1f} s, {seconds / reference[0]:.2f}x the harness's full "
               f"({'within' if seconds / reference[0] <= METHOD_WITHIN else 'NOT within'} {METHOD_WITHIN}x)")
+    same = sum(a == b for a, b in zip(reference[1]["per_doc"], hf[best][1]["per_doc"]))
+    return {"kind": "piqa", "task": args.task, "docs": args.limit, "shots": shots, "harness_s": reference[0],
+            "hf_s": hf[best][0], "hf_batch": best, "x_hf": ratio, "same_docs": same,
+            "compared_docs": len(hf[best][1]["per_doc"]), "x_full": methods}
 
 
 # the Fig. 11 preset's points timed per point (issue 70): full attention, H2O and InfiniGen at one budget each
 FIG11_POINTS = ("full", "h2o_0.25", "infinigen_b0.14")
 
 
-def fig11_per_point(model, tokenizer, args) -> None:
+def fig11_per_point(model, tokenizer, args) -> dict:
     """The wall time of one point of `+experiment=fig11_accuracy_smollm2` (five tasks, 5-shot, the first
     task.limit docs of each), estimated from each task's seconds per doc on its first --fig11-docs docs times the
     docs the preset scores of it: never from a whole process (its model load and first calibration are no doc's)."""
@@ -185,6 +191,7 @@ def fig11_per_point(model, tokenizer, args) -> None:
     scored = {task: min(size, cfg.task.limit) for task, size in sizes.items()}
     print(f"\nFig. 11 preset ({cfg.model.name}, {cfg.task.num_fewshot}-shot, docs a point scores: {scored}), "
           f"{torch.get_num_threads()} threads, seconds per doc on the first {args.fig11_docs} docs of each task:")
+    minutes = {}
     for point in FIG11_POINTS:
         per_doc = {}
         for task in cfg.task.tasks:
@@ -194,6 +201,32 @@ def fig11_per_point(model, tokenizer, args) -> None:
         total = sum(per_doc[task] * n for task, n in scored.items())
         cells = ", ".join(f"{task} {per_doc[task]:.2f}" for task in cfg.task.tasks)
         print(f"  {point}: {cells}; a point: {total / 60:.0f} min", flush=True)
+        minutes[point] = total / 60
+    return {"kind": "fig11", "docs_timed": args.fig11_docs, "shots": int(cfg.task.num_fewshot), "minutes": minutes}
+
+
+def write_rows(results: str, model: str, summaries: list[dict]) -> None:
+    """One store row per comparison (PIQA at a number of shots; the Fig. 11 preset's minutes per point), keyed by
+    model, threads and what it compares: a newer run replaces an older one in an export."""
+    import hashlib
+    import json
+    import platform
+    from datetime import datetime, timezone
+
+    from analysis import store
+    from experiments import identity
+
+    meta = {"git_commit": identity.git_commit(), "versions": identity.versions(), "device": "cpu",
+            "threads": torch.get_num_threads(), "host": platform.node(),
+            "finished": datetime.now(timezone.utc).isoformat()}
+    for summary in summaries:
+        config = {"benchmark": "lm_eval_speed", "model": {"name": model}, "threads": meta["threads"],
+                  **{k: summary[k] for k in ("kind", "shots", "task", "docs", "docs_timed") if k in summary}}
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        row = {"config_hash": digest, "model": model, "method": "full", "task": "lm_eval_speed", "data": {},
+               "method_params": {"name": "full"}, "task_params": {"name": "lm_eval_speed"}, "config": config,
+               "metrics": {"benchmark": "lm_eval_speed", **summary}, "meta": meta}
+        store.append_rows(results, digest, [row])
 
 
 def main() -> None:
@@ -212,16 +245,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--forwards", action="store_true", help="also print the forward's ms/token curve")
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own, one per core)")
+    ap.add_argument("--results", default=None, metavar="STORE",
+                    help="also write each comparison as a store row (metrics.benchmark=lm_eval_speed) into this "
+                         "results store, e.g. docs/store: the report's lines in README and docs/scaling.md")
     ap.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or str(ROOT.parent / "shared" / "data"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, _ = compose_run(["task=lm_eval", *([f"model={args.model}"] if args.model else [])], args.data_dir)
     model, tokenizer = adapter.load(cfg.model, device="cpu")
-    for shots in args.shots:
-        bench_shots(model, tokenizer, args, shots)
+    summaries = [bench_shots(model, tokenizer, args, shots) for shots in args.shots]
     if args.fig11_docs:
-        fig11_per_point(model, tokenizer, args)
+        summaries.append(fig11_per_point(model, tokenizer, args))
+    if args.results:
+        write_rows(args.results, cfg.model.name, summaries)
     if args.forwards:
         forward_curve(model, [32, 128, 512, 1024], [128, 256, 512, 1024, 2048, 4096, 8192])
 

@@ -38,3 +38,18 @@ def test_a_newer_run_of_a_point_replaces_the_older(tmp_path):
     bench_sim.write_rows(str(tmp_path), META, [point("full", 5.0, 5.0, 4.0)])
     table = sim_bench.bench_table(load(tmp_path))
     assert list(table["seconds"]) == [5.0]
+
+
+def test_lm_eval_rows_give_the_ratio_to_lm_evals_backend_and_the_fig11_minutes(tmp_path):
+    from experiments import bench_lm_eval
+
+    summaries = [{"kind": "piqa", "task": "piqa", "docs": 200, "shots": 5, "harness_s": 110.0, "hf_s": 220.0,
+                  "hf_batch": 16, "x_hf": 0.5, "same_docs": 200, "compared_docs": 200, "x_full": {"infinigen": 1.35}},
+                 {"kind": "fig11", "docs_timed": 20, "shots": 5,
+                  "minutes": {"full": 24.0, "h2o_0.25": 31.0, "infinigen_b0.14": 35.0}}]
+    bench_lm_eval.write_rows(str(tmp_path), "smollm2-135m", summaries)
+    piqa, fig11 = sim_bench.lm_eval_lines(load(tmp_path))
+    assert "lm-eval piqa 200 docs, 5-shot" in piqa and "0.5x (goal <= 1.0x: met)" in piqa
+    assert piqa.endswith("per-doc acc the same on 200 of 200 docs; infinigen 1.35x the harness's full (goal <= 1.3x: "
+                         "not met)")
+    assert fig11.endswith("full 24 min, h2o_0.25 31 min, infinigen_b0.14 35 min")

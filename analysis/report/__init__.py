@@ -70,13 +70,13 @@ def with_reference(section: Section, reference: Path) -> Section:
 
 
 def script_rows(df: pd.DataFrame) -> pd.Series:
-    """Rows written by scripts (experiments/validate_perf.py, bench_memory.py, bench_ops.py, bench_sim.py,
+    """Rows written by scripts (experiments/validate_perf.py, bench_memory.py, bench_ops.py, bench_sim.py, bench_lm_eval.py,
     validate_gpu.py), not
     by a run.py command: their sections select them, the stale check never sees them."""
     if df.empty:
         return pd.Series(dtype=bool)
     return (C.column(df, "metrics.validation_point").notna()
-            | C.column(df, "metrics.benchmark").isin(["memory", "gpu", "sim"]) | O.is_ops(df))
+            | C.column(df, "metrics.benchmark").isin(["memory", "gpu", "sim", "lm_eval_speed"]) | O.is_ops(df))
 
 
 def report(store_dir: str | Path, out: str | Path, readme: str | Path | None = None,
