@@ -121,6 +121,8 @@ def plan(store_dir: Path, results_dir: Path) -> tuple[dict[str, Job], dict[str, 
     sections = [s for s in discover() if s.commands]
     compose_all([c for s in sections for c in s.commands])
     rows = load(store_dir)
+    if not rows.empty:  # script rows (benchmarks: their config says which) are no run.py job and no job's estimate
+        rows = rows[~rows["config"].map(lambda c: "benchmark" in c)]
     done = set(rows["semantic"]) if not rows.empty else set()
     if (results_dir / "rows").is_dir() and any((results_dir / "rows").iterdir()):
         local = load(results_dir)
@@ -149,12 +151,14 @@ def duration(seconds: float | None) -> str:
 def plan_lines(every: dict[str, Job], by_section: dict[str, list[str]], workers: int) -> list[str]:
     out = []
     for slug, keys in by_section.items():
-        todo = [every[k] for k in keys if not every[k].stored and every[k].sections[0] == slug]
+        missing = [every[k] for k in keys if not every[k].stored]
+        todo = [j for j in missing if j.sections[0] == slug]  # a job two sections share is planned under the first
         known = [j.seconds for j in todo if j.seconds is not None]
         unknown = len(todo) - len(known)
-        out.append(f"[evidence] plan {slug}: {len(keys)} runs, {len(keys) - len([k for k in keys if not every[k].stored])}"
-                   f" in the store, {len(todo)} to run, est. {duration(sum(known))}"
-                   + (f" + {unknown} without an alike row" if unknown else ""))
+        shared = len(missing) - len(todo)
+        out.append(f"[evidence] plan {slug}: {len(keys)} runs, {len(keys) - len(missing)} in the store, {len(todo)} to "
+                   f"run, est. {duration(sum(known))}" + (f" + {unknown} without an alike row" if unknown else "")
+                   + (f" ({shared} more planned under an earlier section)" if shared else ""))
     todo = [j for j in every.values() if not j.stored]
     total = sum(j.seconds or 0.0 for j in todo)
     out.append(f"[evidence] plan: {len(every)} runs, {len(every) - len(todo)} in the store, {len(todo)} to run: est. "

@@ -80,3 +80,18 @@ def test_lm_eval_estimates_pool_each_tasks_docs_over_the_runs_that_scored_it(tmp
     other = json.loads(json.dumps(config))
     other["task"]["num_fewshot"] = 0  # zero-shot docs cost another amount: no alike row
     assert evidence.estimate(df, other) is None
+
+
+def test_a_benchmark_scripts_row_in_the_store_is_no_job_and_no_estimate(tmp_path, monkeypatch):
+    """bench_lm_eval's rows carry a config of their own (its `task` a string): the plan of an lm-eval job passes
+    them by."""
+    from experiments import bench_lm_eval
+
+    command = "python run.py task=lm_eval task.tasks=[piqa] task.limit=10"
+    monkeypatch.setattr(evidence, "discover", lambda: [SimpleNamespace(slug="speed", commands=(command,))])
+    bench_lm_eval.write_rows(str(tmp_path / "store"), "smollm2-135m", [
+        {"kind": "piqa", "task": "piqa", "docs": 200, "shots": 0, "harness_s": 1.0, "hf_s": 1.0, "hf_batch": 16,
+         "x_hf": 1.0, "same_docs": 200, "compared_docs": 200, "x_full": {}}])
+    every, by_section, _ = evidence.plan(tmp_path / "store", tmp_path / "results")
+    (job,) = [every[k] for k in by_section["speed"]]
+    assert not job.stored and job.seconds is None  # nothing alike: no lm-eval run of this model is stored
